@@ -1,0 +1,20 @@
+"""glm5-bridge: GLM-5 / GLM-5.1 / GLM-5.2 with Megatron, on top of megatron-core and megatron-bridge.
+
+`import glm5_bridge` installs the few CPU / no-TE workarounds (compat.py) and registers our
+bridge for `GlmMoeDsaForCausalLM`, so the standard calls work unchanged:
+
+    from megatron.bridge import AutoBridge
+    bridge = AutoBridge.from_hf_pretrained(path)
+    model = bridge.to_megatron_model(wrap_with_ddp=False)
+"""
+
+from glm5_bridge import compat
+
+compat.install()
+
+from glm5_bridge.bridge import GLM5Bridge, GLM5ModelProvider  # noqa: E402  (registers the bridge)
+from glm5_bridge.config import PRESETS, indexer_types, load_hf_config  # noqa: E402
+from glm5_bridge.testing import make_tiny_checkpoint  # noqa: E402
+
+__all__ = ["GLM5Bridge", "GLM5ModelProvider", "PRESETS", "indexer_types", "load_hf_config",
+           "make_tiny_checkpoint"]

@@ -1,0 +1,1 @@
+"""DSA attention for GLM-5: indexer top-k, IndexShare, and the sparse-MLA backends."""

@@ -1,0 +1,69 @@
+"""Lightning-indexer scores and top-k selection over a flat token layout.
+
+All attention code in glm5_bridge works on a *flat* layout: the tokens of every sequence in the
+micro-batch laid end to end ([T, ...], T = b·s for bshd, the packed length for thd), with
+`starts[t]` the flat index of token t's first token. Key s is visible from query t iff
+starts[t] <= s <= t. Top-k indices are flat indices, −1 where a slot is unused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of queries scored at once: bounds the [rows, T] fp32 score block to rows·T·4 bytes.
+SCORE_ROW_CHUNK = 2048
+
+
+def flat_starts_bshd(seq_len: int, batch: int, device) -> torch.Tensor:
+    """starts[t] for b sequences of length s laid out [b, s] → [b·s]."""
+    return (torch.arange(batch, device=device) * seq_len).repeat_interleave(seq_len)
+
+
+def flat_starts_thd(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """starts[t] for packed sequences with boundaries `cu_seqlens` ([n+1], last = total)."""
+    cu = cu_seqlens.to(torch.int64)
+    if int(cu[-1]) != total:
+        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed batch has {total} tokens")
+    lengths = cu[1:] - cu[:-1]
+    return cu[:-1].repeat_interleave(lengths)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """scores[t, s] = Σ_h weights[t, h] · relu(q[t, h] · k[s]) in fp32.
+
+    q: [rows, H, D], k: [T, D], weights: [rows, H] (already scaled by H^-0.5 · D^-0.5).
+    """
+    logits = torch.einsum("rhd,sd->rhs", q.float(), k.float()).relu_()
+    return torch.einsum("rhs,rh->rs", logits, weights.float())
+
+
+def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
+                topk: int) -> torch.Tensor:
+    """Top-`topk` visible keys per query by indexer score: [T, topk] int64 flat indices, −1 padded.
+
+    Never raises on short sequences: a query with fewer than `topk` visible keys gets all of them
+    and −1 in the remaining slots, so the width is always `topk`.
+    """
+    total = k.shape[0]
+    out = torch.full((total, topk), -1, dtype=torch.int64, device=k.device)
+    keys = torch.arange(total, device=k.device)
+    width = min(topk, total)
+    for r0 in range(0, total, SCORE_ROW_CHUNK):
+        r1 = min(r0 + SCORE_ROW_CHUNK, total)
+        scores = index_scores(q[r0:r1], k, weights[r0:r1])
+        rows = keys[r0:r1, None]
+        visible = (keys[None, :] >= starts[r0:r1, None]) & (keys[None, :] <= rows)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        best, idx = scores.topk(width, dim=-1)
+        out[r0:r1, :width] = idx.masked_fill(best == float("-inf"), -1)
+    return out
+
+
+def check_topk(topk: torch.Tensor, starts: torch.Tensor) -> None:
+    """Raise if any index lies outside its query's causal window (used for given, not computed, top-k)."""
+    rows = torch.arange(topk.shape[0], device=topk.device)[:, None]
+    bad = (topk >= 0) & ((topk < starts[:, None]) | (topk > rows))
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"top-k row {t} selects key {int(topk[t][bad[t]][0])} outside its causal "
+                         f"window [{int(starts[t])}, {t}]")

@@ -1,0 +1,37 @@
+"""Unfused sparse MLA in torch: the reference backend (`dsa_attention_backend="megatron"`).
+
+Works in the absorbed (latent) form the fused kernels use: every head's query is 576-wide
+(q_nope·W_UK ‖ q_rope) against one shared 576-wide key (latent ‖ k_rope), and the value is the
+first `v_dim` (= kv_lora_rank) channels of that key. Only the top-k selected keys are gathered, so
+memory is O(T·topk), not O(T²); autograd flows through the gather to q and kv.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Query rows per chunk: bounds the gathered [rows, topk, 576] block.
+ROW_CHUNK = 1024
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
+               v_dim: int) -> torch.Tensor:
+    """q: [T, H, D], kv: [T, D], topk: [T, K] flat indices (−1 = empty) → [T, H, v_dim].
+
+    Softmax runs in fp32 whatever the input dtype (bf16 on GPU); a row whose slots are all empty
+    outputs zeros.
+    """
+    total = q.shape[0]
+    outs = []
+    for r0 in range(0, total, ROW_CHUNK):
+        r1 = min(r0 + ROW_CHUNK, total)
+        idx = topk[r0:r1]
+        valid = idx >= 0
+        kv_sel = kv[idx.clamp(min=0)]  # [rows, K, D]
+        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].float(), kv_sel.float()) * softmax_scale
+        # A finite fill keeps all-empty rows NaN-free (forward and backward); exp(min - max) is 0.
+        logits = logits.masked_fill(~valid[:, None, :], torch.finfo(logits.dtype).min)
+        probs = torch.softmax(logits, dim=-1) * valid[:, None, :]
+        out = torch.einsum("rhk,rkc->rhc", probs, kv_sel[..., :v_dim].float())
+        outs.append(out.to(q.dtype))
+    return torch.cat(outs, dim=0)

@@ -1,0 +1,165 @@
+"""Workarounds for places where megatron-core 0.19 / megatron-bridge 0.6 hard-code CUDA or
+Transformer Engine (TE). Everything of that kind lives here, one function per item, each with a
+test in tests/test_compat.py that fails once upstream no longer needs it.
+
+`install()` is idempotent and is called by `import glm5_bridge`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+
+
+# --- 1. megatron-bridge imports TE unconditionally ---------------------------------------------
+# `megatron/bridge/peft/lora_layers.py` does `import transformer_engine.pytorch as te` at module
+# level, so `import megatron.bridge` fails without TE. Its TE use is limited to isinstance checks
+# and an optional fused path. A global fake TE module would make megatron-core believe TE is
+# installed, so the stand-in is visible to that one module only, for the duration of its import.
+
+
+class _AbsentTE(type):
+    """Stand-in for any TE attribute: a class that nothing is an instance of."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AbsentTE(name, (), {})
+
+
+class _LoraLayersWithoutTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    target = "megatron.bridge.peft.lora_layers"
+    # Imported first so that they never see the stand-in while lora_layers runs.
+    dependencies = ("megatron.core.transformer.moe.moe_utils", "megatron.bridge.peft.adapter_wrapper",
+                    "megatron.bridge.peft.lora_merge")
+
+    def find_spec(self, name, path, target=None):
+        if name != self.target:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None:
+            self._real_loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        for dep in self.dependencies:
+            importlib.import_module(dep)
+        te_pytorch = _AbsentTE("transformer_engine.pytorch", (), {})
+        te = types.ModuleType("transformer_engine")
+        te.pytorch = te_pytorch
+        stand_ins = {"transformer_engine": te, "transformer_engine.pytorch": te_pytorch}
+        sys.modules.update(stand_ins)
+        try:
+            self._real_loader.exec_module(module)
+        finally:
+            for key in stand_ins:
+                sys.modules.pop(key, None)
+
+
+def _import_bridge_without_te() -> None:
+    if HAVE_TE or any(isinstance(f, _LoraLayersWithoutTE) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _LoraLayersWithoutTE())
+
+
+# --- 2. megatron-bridge starts NCCL and seeds CUDA -------------------------------------------------
+# `provide_distributed_model` / `initialize_model_parallel` call `torch.cuda.set_device`, start an
+# NCCL process group and `model_parallel_cuda_manual_seed`; on a machine without a GPU each raises
+# "Found no NVIDIA driver". Our provider (bridge.py) calls these two instead when CUDA is absent.
+
+
+def init_cpu_process_group() -> None:
+    """A gloo process group from the usual env vars (single process if none are set)."""
+    import os
+
+    import torch
+
+    if torch.distributed.is_initialized():
+        return
+    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "12355")):
+        os.environ.setdefault(key, default)
+    torch.distributed.init_process_group("gloo")
+
+
+def cpu_seed(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+
+
+# --- 3. megatron-bridge builds the MTP spec with TE ---------------------------------------------
+# `GPTModelProvider.provide()` calls the module function `gpt_provider.mtp_block_spec`, which
+# always asks for TE modules. Providers that define `build_mtp_block_spec` (ours) get theirs.
+
+
+def _provider_mtp_spec_hook() -> None:
+    from megatron.bridge.models import gpt_provider
+
+    original = gpt_provider.mtp_block_spec
+    if getattr(original, "_glm5_hook", False):
+        return
+
+    def mtp_block_spec(config, vp_stage=None):
+        if hasattr(config, "build_mtp_block_spec"):
+            return config.build_mtp_block_spec(vp_stage=vp_stage)
+        return original(config, vp_stage=vp_stage)
+
+    mtp_block_spec._glm5_hook = True
+    gpt_provider.mtp_block_spec = mtp_block_spec
+
+
+# --- 4. megatron-core places buffers on `torch.cuda.current_device()` and synchronizes CUDA --------
+# The MoE router's expert_bias and token counters, RotaryEmbedding's inv_freq (at init and again on
+# first use), dist_checkpointing's flags and others are created with
+# `device=torch.cuda.current_device()`, and dist_checkpointing calls `torch.cuda.synchronize()`;
+# both raise without a GPU even when `use_cpu_initialization` is set. On a machine with no CUDA
+# device the first answers "cpu" and the second has nothing to wait for; with a GPU nothing changes.
+
+
+def _current_device_on_cpu_machines() -> None:
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch.cuda.current_device, "_glm5_cpu", False):
+        return
+
+    def current_device():
+        return "cpu"
+
+    def synchronize(device=None):
+        return None
+
+    current_device._glm5_cpu = True
+    torch.cuda.current_device = current_device
+    torch.cuda.synchronize = synchronize
+
+
+# --- 5. absorbed MLA accepts only TE's duplicated linear for the down-projections -----------------
+# `AbsorbedMLASelfAttention.__init__` checks `linear_q_down_proj in [TELinear]` to pass
+# `parallel_mode="duplicated"`; without TE that name is None and any other class is refused. Our
+# `DuplicatedLinear` takes its place there (the spec uses TE's own TELinear when TE is installed).
+
+
+def _absorbed_mla_duplicated_linear() -> None:
+    if HAVE_TE:
+        return
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
+
+    from glm5_bridge.layers import DuplicatedLinear
+
+    absorbed_mla.TELinear = DuplicatedLinear
+
+
+def install() -> None:
+    _absorbed_mla_duplicated_linear()
+    _current_device_on_cpu_machines()
+    _import_bridge_without_te()
+    _provider_mtp_spec_hook()

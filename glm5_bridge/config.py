@@ -1,0 +1,94 @@
+"""HF config normalisation for the GLM-5 family: presets, defaults and the IndexShare schedule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+PRESETS = ("GLM-5", "GLM-5.1", "GLM-5.2")
+
+# transformers' GlmMoeDsaConfig default when a config has neither `indexer_types` nor
+# `index_topk_pattern` nor `index_skip_topk_offset` (megatron-bridge 0.6.2 uses 0 instead).
+DEFAULT_SKIP_TOPK_OFFSET = 2
+
+
+def load_preset_dict(name: str) -> dict:
+    """The shipped copy of a real config.json ("GLM-5", "GLM-5.1", "GLM-5.2")."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
+    return json.loads((PRESETS_DIR / f"{name}.json").read_text())
+
+
+def load_hf_config(path_or_preset: str | Path):
+    """A `GlmMoeDsaConfig` from a checkpoint folder, a config.json path or a preset name."""
+    from transformers import GlmMoeDsaConfig
+
+    if str(path_or_preset) in PRESETS:
+        return GlmMoeDsaConfig(**load_preset_dict(str(path_or_preset)))
+    path = Path(path_or_preset)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (and {str(path_or_preset)!r} is not a preset)")
+    return GlmMoeDsaConfig(**json.loads(path.read_text()))
+
+
+def _get(hf_config: Any, key: str, default=None):
+    value = getattr(hf_config, key, None)
+    return default if value is None else value
+
+
+def indexer_types(hf_config: Any) -> list[str]:
+    """Per decoder layer, "full" (runs its indexer) or "shared" (reuses the nearest earlier full
+    layer's top-k). Precedence as in transformers: `indexer_types`, then `index_topk_pattern`
+    ("F"/"S" string or list), then `index_topk_freq` / `index_skip_topk_offset` (default 2)."""
+    n = hf_config.num_hidden_layers
+    types = _get(hf_config, "indexer_types")
+    if types is None:
+        pattern = _get(hf_config, "index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+        else:
+            freq = max(int(_get(hf_config, "index_topk_freq", 1)), 1)
+            offset = int(_get(hf_config, "index_skip_topk_offset", DEFAULT_SKIP_TOPK_OFFSET))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    types = list(types)
+    if len(types) != n:
+        raise ValueError(f"config.json: indexer_types has {len(types)} entries, num_hidden_layers is {n}")
+    bad = sorted(set(types) - {"full", "shared"})
+    if bad:
+        raise ValueError(f"config.json: indexer_types entries must be 'full' or 'shared', got {bad}")
+    if n and types[0] != "full":
+        raise ValueError("config.json: indexer_types[0] must be 'full' (a shared layer needs an earlier full one)")
+    return types
+
+
+def topk_source_layers(types: list[str]) -> list[int]:
+    """For each layer (0-based), the layer whose top-k it uses: itself when "full", else the
+    nearest earlier "full" layer."""
+    sources, last_full = [], 0
+    for i, t in enumerate(types):
+        if t == "full":
+            last_full = i
+        sources.append(last_full)
+    return sources
+
+
+def rope_interleave(hf_config: Any) -> bool:
+    return bool(_get(hf_config, "rope_interleave", True))
+
+
+def indexer_rope_interleave(hf_config: Any) -> bool:
+    """Missing key: transformers 5.23's behaviour (interleaved, as every published config says)."""
+    return bool(_get(hf_config, "indexer_rope_interleave", True))
+
+
+def rope_theta(hf_config: Any) -> float:
+    params = _get(hf_config, "rope_parameters") or {}
+    return float(params.get("rope_theta", _get(hf_config, "rope_theta", 10000.0)))
+
+
+def num_mtp_layers(hf_config: Any) -> int:
+    return int(_get(hf_config, "num_nextn_predict_layers", 0))

@@ -1,0 +1,20 @@
+"""Shared fixtures: tiny checkpoints made once per session, one gloo process group per process."""
+
+import pytest
+
+import glm5_bridge  # noqa: F401  (registers the bridge, installs the CPU workarounds)
+from glm5_bridge.testing import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(variant="GLM-5.2", seed=0) → path of a tiny HF checkpoint (cached)."""
+    cache = {}
+
+    def make(variant: str = "GLM-5.2", seed: int = 0):
+        if (variant, seed) not in cache:
+            folder = tmp_path_factory.mktemp(f"{variant.replace('.', '_')}_{seed}")
+            cache[variant, seed] = make_tiny_checkpoint(variant, folder, seed)
+        return cache[variant, seed]
+
+    return make
