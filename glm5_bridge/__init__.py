@@ -12,9 +12,9 @@ from glm5_bridge import compat
 
 compat.install()
 
-from glm5_bridge.bridge import GLM5Bridge, GLM5ModelProvider  # noqa: E402  (registers the bridge)
+from glm5_bridge.bridge import AutoBridge, GLM5Bridge, GLM5ModelProvider, build_megatron_model  # noqa: E402  (registers the bridge)
 from glm5_bridge.config import PRESETS, indexer_types, load_hf_config  # noqa: E402
 from glm5_bridge.testing import make_tiny_checkpoint  # noqa: E402
 
-__all__ = ["GLM5Bridge", "GLM5ModelProvider", "PRESETS", "indexer_types", "load_hf_config",
+__all__ = ["AutoBridge", "GLM5Bridge", "build_megatron_model", "GLM5ModelProvider", "PRESETS", "indexer_types", "load_hf_config",
            "make_tiny_checkpoint"]

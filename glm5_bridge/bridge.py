@@ -13,9 +13,11 @@ What differs from upstream's provider_bridge, each a deliberate choice:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from megatron.bridge.models.conversion.auto_bridge import AutoBridge as MegatronAutoBridge
 from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
 from megatron.bridge.models.conversion.param_mapping import AutoMapping
 from megatron.bridge.models.glm_moe_dsa.glm5_bridge import GLM5Bridge as UpstreamGLM5Bridge
@@ -149,3 +151,37 @@ class GLM5Bridge(UpstreamGLM5Bridge):
         p.apply_rope_fusion = False
         p.cross_entropy_loss_fusion = False
         return p
+
+
+class AutoBridge(MegatronAutoBridge):
+    """megatron-bridge's AutoBridge that also accepts the presets "GLM-5", "GLM-5.1", "GLM-5.2"
+    (config only, shipped with the package) and checkpoint folders without weights."""
+
+    @classmethod
+    def from_hf_pretrained(cls, path, **kwargs):
+        if str(path) in cfg.PRESETS or (Path(path).is_dir() and not any(Path(path).glob("*.safetensors"))):
+            bridge = cls.from_hf_config(cfg.load_hf_config(path))
+            bridge.config_only_source = str(path)
+            return bridge
+        return super().from_hf_pretrained(path, **kwargs)
+
+    def to_megatron_provider(self, load_weights: bool = True, hf_path=None):
+        source = getattr(self, "config_only_source", None)
+        if load_weights and hf_path is None and source is not None:
+            raise ValueError(f"{source!r} has a config but no weights here; pass the local path of the "
+                             "downloaded checkpoint (or load_weights=False for a randomly initialised model)")
+        return super().to_megatron_provider(load_weights, hf_path)
+
+
+def build_megatron_model(path, load_weights: bool = True, **provider_overrides):
+    """(bridge, model chunk) for an HF checkpoint folder or preset, through the standard
+    megatron-bridge calls; `provider_overrides` set provider fields first (e.g.
+    `dsa_attention_backend="tilelang"`, `tensor_model_parallel_size=2`)."""
+    bridge = AutoBridge.from_hf_pretrained(str(path))
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
+    for key, value in provider_overrides.items():
+        if not hasattr(provider, key):
+            raise AttributeError(f"unknown provider field {key!r}")
+        setattr(provider, key, value)
+    provider.finalize()
+    return bridge, provider.provide_distributed_model(wrap_with_ddp=False)[0]

@@ -85,15 +85,23 @@ def init_cpu_process_group() -> None:
 
     if torch.distributed.is_initialized():
         return
-    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "localhost"), ("MASTER_PORT", "12355")):
+    if "MASTER_PORT" not in os.environ:  # a lone process: any free port (others may run beside it)
+        from glm5_bridge.distributed import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, default)
     torch.distributed.init_process_group("gloo")
 
 
 def cpu_seed(seed: int) -> None:
+    """Seed torch, and give megatron its no-op RNG tracker: the per-TP-rank CUDA RNG streams only
+    serve dropout, and GLM-5 has none (hidden/attention dropout 0)."""
     import torch
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     torch.manual_seed(seed)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 # --- 3. megatron-bridge builds the MTP spec with TE ---------------------------------------------
@@ -114,6 +122,7 @@ def _provider_mtp_spec_hook() -> None:
         return original(config, vp_stage=vp_stage)
 
     mtp_block_spec._glm5_hook = True
+    mtp_block_spec.__wrapped__ = original
     gpt_provider.mtp_block_spec = mtp_block_spec
 
 
@@ -158,8 +167,30 @@ def _absorbed_mla_duplicated_linear() -> None:
     absorbed_mla.TELinear = DuplicatedLinear
 
 
+# --- 6. megatron-bridge's PEFT believes TE is installed when it is not ---------------------------
+# `megatron/bridge/peft/utils.py` and `module_matcher.py` set their HAVE_TE* flags from
+# `safe_import_from("megatron.core.extensions.transformer_engine", ...)`, which succeeds without TE
+# because megatron-core defines those classes on a MagicMock. `get_adapter_attributes_from_linear`
+# then runs `isinstance(m, TEColumnParallelLinear)` and raises TypeError for every linear, so no
+# LoRA can be applied (and exclude_modules matching fails the same way). Without TE the flags are
+# set to what they mean.
+
+
+def _peft_te_flags() -> None:
+    if HAVE_TE:
+        return
+    from megatron.bridge.peft import module_matcher, utils
+
+    utils.HAVE_TE = False
+    for module in (utils, module_matcher):
+        for name in ("HAVE_TE_COL_LINEAR", "HAVE_TE_LN_COL_LINEAR", "HAVE_TE_ROW_LINEAR"):
+            setattr(module, name, False)
+    module_matcher.HAVE_TE = False
+
+
 def install() -> None:
     _absorbed_mla_duplicated_linear()
     _current_device_on_cpu_machines()
     _import_bridge_without_te()
     _provider_mtp_spec_hook()
+    _peft_te_flags()

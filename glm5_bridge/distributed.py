@@ -11,7 +11,7 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -36,7 +36,7 @@ def run_local_ranks(fn, world_size: int, *args):
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_worker, args=(world_size, _free_port(), fn, args, results), nprocs=world_size,
+        mp.start_processes(_worker, args=(world_size, free_port(), fn, args, results), nprocs=world_size,
                            join=True, start_method="spawn")
         out = dict(results)
     for rank in range(world_size):

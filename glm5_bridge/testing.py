@@ -171,18 +171,11 @@ def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0) -
     return path
 
 
-def load_megatron(path: str | os.PathLike, load_weights: bool = True, **provider_overrides):
-    """(bridge, model chunk) for a checkpoint, through the standard megatron-bridge calls;
-    `provider_overrides` set provider fields first (e.g. `dsa_indexer_topk=4`)."""
-    from megatron.bridge import AutoBridge
+def load_megatron(path, load_weights: bool = True, **provider_overrides):
+    """Alias of `glm5_bridge.bridge.build_megatron_model` (returns (bridge, model))."""
+    from glm5_bridge.bridge import build_megatron_model
 
-    bridge = AutoBridge.from_hf_pretrained(str(path))
-    provider = bridge.to_megatron_provider(load_weights=load_weights)
-    for key, value in provider_overrides.items():
-        setattr(provider, key, value)
-    provider.finalize()
-    model = provider.provide_distributed_model(wrap_with_ddp=False)
-    return bridge, model[0]
+    return build_megatron_model(path, load_weights, **provider_overrides)
 
 
 def load_hf(path: str | os.PathLike):
