@@ -8,7 +8,18 @@ bridge for `GlmMoeDsaForCausalLM`, so the standard calls work unchanged:
     model = bridge.to_megatron_model(wrap_with_ddp=False)
 """
 
-from glm5_bridge import compat
+import logging
+import warnings
+
+# Import-time notices from megatron about optional packages we deliberately run without (TE, apex,
+# absl, modelopt's transformers pin); real warnings still show.
+for _pattern in ("Transformer Engine and Apex", "Apex is not installed", "absl.logging", "transformer-engine>=",
+                 "is not tested with current version of modelopt", "`torch.jit.script` is deprecated"):
+    warnings.filterwarnings("ignore", message=f".*{_pattern}.*")
+for _logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider"):
+    logging.getLogger(_logger).addFilter(lambda record: record.levelno >= logging.WARNING)
+
+from glm5_bridge import compat  # noqa: E402
 
 compat.install()
 

