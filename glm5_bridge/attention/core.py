@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
+from glm5_bridge import replay
 from glm5_bridge.attention import index_share
 from glm5_bridge.attention.backends import get_backend
 from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd, select_topk
@@ -77,7 +78,8 @@ class SparseMLACoreAttention(MegatronModule):
             starts = flat_starts_bshd(sq, b, query.device)
 
         topk = self._topk(x, qr, starts, packed, packed_seq_params, attention_mask, position_ids)
-        out = self.backend(q_flat, kv_flat, topk, self.softmax_scale, self.v_channels)  # [T, H, 512]
+        out = self.backend(q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
+                           packed=packed)  # [T, H, 512]
 
         if packed:
             return out.reshape(out.shape[0], -1)
@@ -87,14 +89,19 @@ class SparseMLACoreAttention(MegatronModule):
         carrier = (packed_seq_params, attention_mask, position_ids)
         if not self.computes_topk:
             return index_share.reuse(self.layer_number, self.source_layer, *carrier)
-        # The indexer sees detached inputs and trains on no loss of the main model.
-        with torch.no_grad():
-            q, k, w = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
-            # q [s, b, Hi, D] / k [s, b, D] / w [s, b, Hi] (thd: b = 1) → flat
-            q = q.transpose(0, 1).reshape(-1, *q.shape[2:])
-            k = k.transpose(0, 1).reshape(-1, k.shape[-1])
-            w = w.transpose(0, 1).reshape(-1, w.shape[-1])
-            topk = select_topk(q, k, w, starts, self.index_topk)
+
+        def compute() -> torch.Tensor:
+            # The indexer sees detached inputs and trains on no loss of the main model.
+            with torch.no_grad():
+                q, k, w = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
+                # q [s, b, Hi, D] / k [s, b, D] / w [s, b, Hi] (thd: b = 1) → flat
+                q = q.transpose(0, 1).reshape(-1, *q.shape[2:])
+                k = k.transpose(0, 1).reshape(-1, k.shape[-1])
+                w = w.transpose(0, 1).reshape(-1, w.shape[-1])
+                return select_topk(q, k, w, starts, self.index_topk)
+
+        # R3 indexer replay (glm5_bridge/replay.py): compute(), or the recorded / replayed top-k.
+        topk = replay.resolve(self, starts, carrier, compute)
         if self.publishes_topk:
             index_share.publish(self.layer_number, topk, *carrier)
         return topk

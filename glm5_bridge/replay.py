@@ -1,0 +1,346 @@
+"""R3 indexer replay: train on exactly the DSA top-k the rollout engine used.
+
+Modes (per forward, decided by the innermost context):
+- off (no context): every computing layer runs its lightning indexer, as before.
+- record: `with IndexerReplay.recording() as rec:` computes as usual and keeps a CPU int32 copy of
+  each computing decoder layer's top-k; `rec.requests()` gives them per sequence.
+- replay: `with IndexerReplay.replaying(requests):` skips the indexer and uses the given top-k.
+  `IndexerReplay.attach(packed_seq_params, requests)` does the same for one micro-batch without a
+  context (for megatron's pipeline schedules: call it in forward_step_func).
+
+    with IndexerReplay.replaying([RequestTopk.from_sglang(r["meta_info"], index_topk=2048), ...]):
+        loss = loss_fn(model(input_ids=..., packed_seq_params=psp, ...))
+    loss.backward()
+
+Which layers are in a payload: the computing ("full") decoder layers, in order; slot j is the
+(j+1)-th full layer (sglang's `indexer_topk_num_layers` counts these). IndexShare "shared" layers
+are not in the payload: they reuse their source layer's top-k, which is the replayed one. The MTP
+layer is not in the payload either and always computes its own top-k (sglang reports main-model
+layers only), in every mode.
+
+Backward: the attention keeps the top-k index tensor in its autograd graph, so backward uses the
+forward's indices. Activation recompute reruns the layer and must find the same top-k: the session
+is also bound to the micro-batch's carrier object (packed_seq_params, else the attention mask: the
+objects IndexShare uses, see attention/index_share.py), and a recompute during backward uses that
+binding even after the context has exited; a forward outside any context drops it. Lookups are by
+layer and consume nothing, so a second forward in the context replays again. In record mode a
+recompute reuses the recorded top-k, and every other forward adds a record. bshd batches have no
+per-micro-batch carrier (megatron passes neither mask nor position ids to the core attention):
+their recompute outside the context follows the most recent bshd context, so keep backward inside
+the context for bshd. `IndexerReplay.mode()` reports the innermost context only.
+
+Payload of one request (`RequestTopk`): int32 [rows, num_layers, index_topk], request-local key
+positions, −1 = unused slot. Row i is the top-k of the query at position i. sglang returns
+rows = len(tokens) − 1 (the last token was never fed). A micro-batch sequence of n tokens (thd:
+`cu_seqlens_q`; padding from `cu_seqlens_q_padded` comes on top) accepts n − 1 <= rows <= padded
+length. Rows the payload does not cover (the final position when training on all of `tokens`, and
+padding) get the window of the index_topk most recent keys: a valid row that always holds the self
+key; these positions only predict past the sample's end, so the choice never enters the loss.
+Training on tokens[:-1] lines the rows up exactly.
+A row of all −1 means "not reported" (e.g. an engine that skipped a cached prefix): with
+on_missing="compute" (default) the layer's own indexer fills those rows; "error" rejects them.
+
+sglang form: `meta_info.indexer_topk` = base64 of the int32 little-endian array above,
+`meta_info.indexer_topk_num_layers` = num_layers (`RequestTopk.from_sglang` / `.to_sglang`).
+On-disk form (one file per sample, `RequestTopk.save` / `.load`): a safetensors file with one
+tensor "indexer_topk" (int32 [rows, num_layers, index_topk], as above) and metadata
+format="glm5-indexer-topk", version="1", positions="request-local", sample_id (optional).
+`load` reads lazily: one layer's rows are read from the file when that layer needs them.
+
+Memory: payloads stay int32 on the host; each layer moves only its own [rows, index_topk] slice
+to the device (as int64 flat indices, which its attention keeps for backward, as without replay).
+Checks (one line each, naming request and layer): request count, layer count, top-k width, length,
+index < −1, index >= request length (rows + 1 = len(tokens)), key outside the causal window,
+duplicate key in a row.
+"""
+
+from __future__ import annotations
+
+import base64
+import sys
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from glm5_bridge.attention import index_share
+
+_ATTR = "_glm5_replay"
+FILE_FORMAT = "glm5-indexer-topk"
+
+
+class RequestTopk:
+    """Top-k of one request: int32 [rows, num_layers, index_topk], request-local, −1 padded."""
+
+    def __init__(self, topk: torch.Tensor, sample_id: str | None = None):
+        if topk.dim() != 3 or topk.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"indexer replay: request {sample_id!r}: top-k must be an int tensor "
+                             f"[rows, num_layers, index_topk], got {topk.dtype} {tuple(topk.shape)}")
+        self._topk = topk.to("cpu", torch.int32)
+        self._path = None
+        self.shape = tuple(self._topk.shape)
+        self.sample_id = sample_id
+
+    rows = property(lambda self: self.shape[0])
+    num_layers = property(lambda self: self.shape[1])
+    index_topk = property(lambda self: self.shape[2])
+
+    def layer(self, slot: int) -> torch.Tensor:
+        """[rows, index_topk] int32 of the slot-th computing layer (read from disk if lazy)."""
+        if self._path is None:
+            return self._topk[:, slot]
+        from safetensors import safe_open
+
+        with safe_open(self._path, "pt") as f:
+            return f.get_slice("indexer_topk")[:, slot, :]
+
+    def tensor(self) -> torch.Tensor:
+        return torch.stack([self.layer(j) for j in range(self.num_layers)], 1) if self._path else self._topk
+
+    # --- sglang ---
+    @classmethod
+    def from_sglang(cls, meta_info: dict, index_topk: int | None = None, num_tokens: int | None = None,
+                    sample_id: str | None = None) -> "RequestTopk":
+        """Decode `meta_info.indexer_topk`; rows come from num_tokens − 1, else from index_topk."""
+        layers = int(meta_info["indexer_topk_num_layers"])
+        raw = base64.b64decode(meta_info["indexer_topk"])
+        if sys.byteorder != "little":
+            raise NotImplementedError("indexer replay: sglang payloads are little-endian; big-endian host")
+        if num_tokens is None and "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
+            num_tokens = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"])
+        n = len(raw) // 4
+        per_row = None if num_tokens is None else (num_tokens - 1) * layers
+        width = index_topk if index_topk is not None else (n // per_row if per_row else None)
+        if width is None:
+            raise ValueError(f"indexer replay: request {sample_id!r}: pass index_topk or num_tokens to decode")
+        if len(raw) % 4 or n % (layers * width) or (per_row is not None and n != per_row * width):
+            raise ValueError(f"indexer replay: request {sample_id!r}: {len(raw)} payload bytes do not fit "
+                             f"(len(tokens) − 1 = {None if num_tokens is None else num_tokens - 1}, "
+                             f"{layers} layers, top-k {width}) int32")
+        with warnings.catch_warnings():  # read-only bytes: zero-copy view, we never write to it
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(raw, dtype=torch.int32) if n else torch.empty(0, dtype=torch.int32)
+        return cls(flat.view(n // (layers * width), layers, width), sample_id)
+
+    def to_sglang(self) -> dict:
+        data = self.tensor().contiguous().numpy().astype("<i4").tobytes()
+        return {"indexer_topk": base64.b64encode(data).decode("ascii"), "indexer_topk_num_layers": self.num_layers}
+
+    # --- on disk ---
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        meta = {"format": FILE_FORMAT, "version": "1", "positions": "request-local"}
+        if self.sample_id is not None:
+            meta["sample_id"] = str(self.sample_id)
+        save_file({"indexer_topk": self.tensor().contiguous()}, str(path), metadata=meta)
+
+    @classmethod
+    def load(cls, path: str | Path, lazy: bool = True) -> "RequestTopk":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FILE_FORMAT or meta.get("version") != "1":
+                raise ValueError(f"indexer replay: {path}: not a {FILE_FORMAT} v1 file (metadata {meta})")
+            sl = f.get_slice("indexer_topk")
+            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+            topk = None if lazy else f.get_tensor("indexer_topk")
+        if dtype != "I32" or len(shape) != 3:
+            raise ValueError(f"indexer replay: {path}: indexer_topk must be int32 3-D, got {dtype} {shape}")
+        if not lazy:
+            return cls(topk, meta.get("sample_id"))
+        req = cls(torch.empty(0, 0, 0, dtype=torch.int32), meta.get("sample_id"))
+        req._path, req.shape = str(path), shape  # layer() reads from the file from now on
+        return req
+
+
+@dataclass
+class RecordedForward:
+    """One micro-batch forward seen by a recording: flat top-k per payload slot (CPU int32)."""
+    starts: torch.Tensor
+    num_slots: int
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Recording:
+    def __init__(self):
+        self.forwards: list[RecordedForward] = []
+
+    def requests(self, forward: int = -1) -> list[RequestTopk]:
+        """A forward's top-k per sequence (rows = its full, padded length), ready to replay/encode."""
+        rec = self.forwards[forward]
+        missing = sorted(set(range(rec.num_slots)) - set(rec.topk))
+        if missing:
+            raise ValueError(f"indexer replay: recording lacks indexer layer slots {missing} "
+                             "(pipeline stage?); record on every stage")
+        flat = torch.stack([rec.topk[j] for j in range(rec.num_slots)], 1)  # [T, L, K]
+        seg_starts, counts = torch.unique_consecutive(rec.starts, return_counts=True)
+        out = []
+        for a, n in zip(seg_starts.tolist(), counts.tolist()):
+            part = flat[a:a + n]
+            out.append(RequestTopk(torch.where(part >= 0, part - a, -1)))
+        return out
+
+
+class _Session:
+    def __init__(self, mode: str, requests=None, on_missing: str = "compute", explicit: bool = False):
+        if on_missing not in ("compute", "error"):
+            raise ValueError(f"on_missing must be 'compute' or 'error', got {on_missing!r}")
+        if mode == "replay":
+            requests = [requests] if isinstance(requests, RequestTopk) else list(requests)
+        self.mode, self.requests, self.on_missing, self.explicit = mode, requests, on_missing, explicit
+        self.recording = Recording() if mode == "record" else None
+
+
+@dataclass
+class _Bound:
+    """A session bound to one micro-batch's carrier object (record: that forward's record)."""
+    session: _Session
+    recorded: RecordedForward | None = None
+
+
+# Module global, not thread-local: CUDA backward (and recompute in it) runs on autograd threads.
+_active: list[_Session] = []
+
+
+class IndexerReplay:
+    @staticmethod
+    @contextmanager
+    def recording() -> Iterator[Recording]:
+        session = _Session("record")
+        _active.append(session)
+        try:
+            yield session.recording
+        finally:
+            _active.remove(session)
+
+    @staticmethod
+    @contextmanager
+    def replaying(requests: RequestTopk | Sequence[RequestTopk], on_missing: str = "compute") -> Iterator[None]:
+        """`requests`: the micro-batch's sequences in pack (thd) or batch (bshd) order."""
+        session = _Session("replay", requests, on_missing)
+        _active.append(session)
+        try:
+            yield
+        finally:
+            _active.remove(session)
+
+    @staticmethod
+    def attach(carrier, requests: RequestTopk | Sequence[RequestTopk], on_missing: str = "compute") -> None:
+        """Replay for every forward (and recompute) of the micro-batch with this packed_seq_params
+        (or attention mask) object, in or out of a context; a context around it replaces this."""
+        setattr(carrier, _ATTR, _Bound(_Session("replay", requests, on_missing, explicit=True)))
+
+    @staticmethod
+    def mode() -> str:
+        return _active[-1].mode if _active else "off"
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is None or task() != -1
+
+
+def _bound(carrier: tuple) -> _Bound | None:
+    """The session for this layer call, bound to the micro-batch's carrier (see module doc)."""
+    obj = next((c for c in carrier if c is not None), index_share._fallback)  # the object IndexShare uses
+    bound = getattr(obj, _ATTR, None)
+    if _active:
+        if bound is None or bound.session is not _active[-1]:
+            bound = _Bound(_active[-1])
+            setattr(obj, _ATTR, bound)
+        return bound
+    if bound is None or bound.session.explicit or _in_backward():
+        return bound
+    delattr(obj, _ATTR)  # a plain forward: a closed context no longer applies to this object
+    return None
+
+
+def resolve(layer, starts: torch.Tensor, carrier: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The top-k [T, index_topk] (flat, int64) a computing layer attends with; `compute` runs its indexer."""
+    bound = None if layer.is_mtp_layer else _bound(carrier)  # MTP: never in payloads
+    if bound is None:
+        return compute()
+    types = layer.config.dsa_indexer_types
+    slot, num_slots = types[:layer.layer_number - 1].count("full"), types.count("full")
+    if bound.session.mode == "record":
+        kept = None if bound.recorded is None else bound.recorded.topk.get(slot)
+        if kept is not None and _in_backward():  # recompute: exactly the forward's top-k
+            return kept.to(starts.device, torch.int64)
+        if bound.recorded is None or kept is not None:  # a new forward (bshd ones share a carrier)
+            bound.recorded = RecordedForward(starts.cpu(), num_slots)
+            bound.session.recording.forwards.append(bound.recorded)
+        topk = compute()
+        bound.recorded.topk[slot] = topk.to("cpu", torch.int32)
+        return topk
+    return _replayed(layer, bound, slot, num_slots, starts, carrier[0], compute)
+
+
+def _fail(req_index: int, req: RequestTopk, layer, slot: int, num_slots: int, what: str):
+    name = f"request {req_index}" + (f" ({req.sample_id})" if req.sample_id is not None else "")
+    raise ValueError(f"indexer replay: {name}, layer {layer.layer_number} (indexer layer {slot + 1} of "
+                     f"{num_slots}): {what}")
+
+
+def _segments(starts: torch.Tensor, packed_seq_params) -> list[tuple[int, int, int]]:
+    seg_starts, counts = torch.unique_consecutive(starts, return_counts=True)
+    padded = list(zip(seg_starts.tolist(), counts.tolist()))
+    real = [n for _, n in padded]
+    if packed_seq_params is not None and packed_seq_params.cu_seqlens_q_padded is not None:
+        real = torch.diff(packed_seq_params.cu_seqlens_q).tolist()
+    return [(a, n, r) for (a, n), r in zip(padded, real)]
+
+
+def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, compute) -> torch.Tensor:
+    session, k, device = bound.session, layer.index_topk, starts.device
+    reqs, segments = session.requests, _segments(starts, packed_seq_params)
+    if len(reqs) != len(segments):
+        raise ValueError(f"indexer replay: the micro-batch has {len(segments)} sequences but the "
+                         f"payload {len(reqs)} requests (layer {layer.layer_number})")
+    total = starts.shape[0]
+    local = torch.full((total, k), -1, dtype=torch.int64, device=device)
+    given = torch.zeros(total, dtype=torch.bool, device=device)
+    tokens = torch.zeros(total, dtype=torch.int64, device=device)  # request length (rows + 1) per row
+    for r, (req, (a, padded, real)) in enumerate(zip(reqs, segments)):
+        if req.num_layers != num_slots:
+            _fail(r, req, layer, slot, num_slots, f"payload has {req.num_layers} indexer layers, the model "
+                  f"computes top-k in {num_slots} layers")
+        if req.index_topk != k:
+            _fail(r, req, layer, slot, num_slots, f"payload top-k width {req.index_topk}, the model's index_topk is {k}")
+        if not real - 1 <= req.rows <= padded:
+            _fail(r, req, layer, slot, num_slots, f"payload has {req.rows} rows (len(tokens) − 1) but its "
+                  f"sequence has {real} tokens" + (f" ({padded} padded)" if padded != real else "")
+                  + f"; expected {real - 1} to {padded} rows")
+        local[a:a + req.rows] = req.layer(slot).to(device)
+        given[a:a + req.rows] = True
+        tokens[a:a + req.rows] = req.rows + 1
+
+    rows = torch.arange(total, device=device)
+    pos = rows - starts
+    ordered = local.sort(dim=1).values
+    bad_keys = [local < -1, local >= tokens[:, None], local > pos[:, None],  # per key
+                (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)]
+    checks = torch.stack([b.any(1) for b in bad_keys] + [(local < 0).all(1)], 1) & given[:, None]
+    found = checks.any(0).tolist()  # the one host sync per layer
+    messages = ("selects key {key}, below −1", "selects key {key}, beyond the request's {n} tokens",
+                "selects key {key}, outside its causal window [0, {i}]", "selects key {key} twice",
+                "is all −1 (not reported; on_missing='error')")
+    for kind, message in enumerate(messages):
+        if found[kind] and (kind < 4 or session.on_missing == "error"):
+            t = int(checks[:, kind].nonzero()[0, 0])
+            r = next(i for i, (a, n, _) in enumerate(segments) if a <= t < a + n)
+            i = t - segments[r][0]
+            key = int((ordered[t, 1:] if kind == 3 else local[t])[bad_keys[kind][t]][0]) if kind < 4 else None
+            _fail(r, reqs[r], layer, slot, num_slots, f"row {i} " + message.format(key=key, n=reqs[r].rows + 1, i=i))
+
+    # Rows not in the payload: the most recent index_topk keys, self included (see module doc).
+    window = rows[:, None] - torch.arange(k, device=device)
+    topk = torch.where(given[:, None], torch.where(local >= 0, local + starts[:, None], -1),
+                       torch.where(window >= starts[:, None], window, -1))
+    if found[4]:
+        topk = torch.where(checks[:, 4, None], compute(), topk)
+    return topk
