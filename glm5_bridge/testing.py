@@ -145,6 +145,11 @@ def make_tiny_tokenizer(path: str | os.PathLike):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
                                    pad_token="<|pad|>", unk_token="<unk>",
                                    additional_special_tokens=list(SPECIAL_TOKENS[3:]))
+    # The role tags of GLM's own chat template, without its system prompt and thinking markup.
+    fast.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+        "{% else %}<|assistant|>{{ m['content'] }}<|eos|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     fast.save_pretrained(path)
     return fast
 

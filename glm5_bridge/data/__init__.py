@@ -1,0 +1,136 @@
+"""Chat data → packed thd micro-batches with a loss mask, and the embedded arithmetic dataset.
+
+A sample is one JSON line `{"messages": [{"role": "user", "content": ...},
+{"role": "assistant", "content": ...}, ...]}`. It is tokenized with the checkpoint's chat template;
+only assistant turns (and their end-of-turn token) carry loss. Samples are packed end to end into
+micro-batches of at most `max_tokens` tokens (thd layout: `cu_seqlens`, positions restart at 0 for
+every sample), the format the fused DSA backend needs and the unfused one accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ARITHMETIC = Path(__file__).with_name("arithmetic.jsonl")
+
+
+def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
+    """Short word problems with their answer as the assistant turn (the embedded default data)."""
+    rng = random.Random(seed)
+    forms = [
+        ("What is {a} plus {b}?", lambda a, b: a + b),
+        ("What is {a} minus {b}?", lambda a, b: a - b),
+        ("Tom has {a} apples and gets {b} more. How many apples does he have?", lambda a, b: a + b),
+        ("A box holds {a} pens. {b} are taken out. How many are left?", lambda a, b: a - b),
+        ("What is {a} times {b}?", lambda a, b: a * b),
+    ]
+    out = []
+    for _ in range(n):
+        text, fn = rng.choice(forms)
+        a, b = rng.randint(2, 60), rng.randint(2, 40)
+        if "minus" in text or "taken" in text:
+            a, b = max(a, b), min(a, b)
+        if "times" in text:
+            a, b = rng.randint(2, 12), rng.randint(2, 12)
+        out.append({"messages": [{"role": "user", "content": text.format(a=a, b=b)},
+                                 {"role": "assistant", "content": str(fn(a, b))}]})
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: dataset file not found")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def _ids(encoded) -> list[int]:
+    """apply_chat_template returns a list or (transformers 5) a BatchEncoding."""
+    return list(encoded if isinstance(encoded, list) else encoded["input_ids"])
+
+
+def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask): each assistant turn and its end token have mask 1, the rest 0."""
+    ids, mask = [], []
+    for i, m in enumerate(messages):
+        if m.get("role") not in ("user", "assistant", "system"):
+            raise ValueError(f"message {i}: role must be user/assistant/system, got {m.get('role')!r}")
+        if m["role"] != "assistant":
+            continue
+        prompt = _ids(tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=True))
+        full = _ids(tokenizer.apply_chat_template(messages[: i + 1], tokenize=True))
+        if full[: len(prompt)] != prompt or len(full) <= len(prompt):
+            raise ValueError(f"message {i}: chat template does not extend the prompt; cannot mask the answer")
+        mask += [0] * (len(prompt) - len(ids)) + [1] * (len(full) - len(prompt))
+        ids = full
+    if not ids or not any(mask):
+        raise ValueError("sample has no assistant turn to learn from")
+    return ids, mask
+
+
+@dataclass
+class PackedBatch:
+    """One thd micro-batch: `input_ids`/`labels`/`loss_mask`/`position_ids` are [1, T]."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    lengths: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def packed_seq_params(self):
+        from glm5_bridge.testing import packed_seq_params
+
+        return packed_seq_params(self.lengths)
+
+
+def pack(samples: list[tuple[list[int], list[int]]], vocab_size: int) -> PackedBatch:
+    """Labels are the next token within each sample; a sample's last position has no label."""
+    ids, labels, mask, pos = [], [], [], []
+    for s_ids, s_mask in samples:
+        bad = [t for t in s_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+        ids += s_ids
+        labels += s_ids[1:] + [0]
+        mask += s_mask[1:] + [0]
+        pos += list(range(len(s_ids)))
+    as_row = lambda x: torch.tensor(x, dtype=torch.long).unsqueeze(0)  # noqa: E731
+    return PackedBatch(as_row(ids), as_row(labels), as_row(mask).float(), as_row(pos), [len(s) for s, _ in samples])
+
+
+def packed_batches(tokenized: list[tuple[list[int], list[int]]], max_tokens: int, vocab_size: int,
+                   seed: int, epoch: int) -> list[PackedBatch]:
+    """One epoch: samples shuffled by (seed, epoch), packed greedily up to `max_tokens` each."""
+    order = list(range(len(tokenized)))
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    batches, current, size = [], [], 0
+    for i in order:
+        n = len(tokenized[i][0])
+        if n > max_tokens:
+            raise ValueError(f"sample {i} has {n} tokens, more than data.max_tokens={max_tokens}")
+        if size + n > max_tokens and current:
+            batches.append(pack(current, vocab_size))
+            current, size = [], 0
+        current.append(tokenized[i])
+        size += n
+    if current:
+        batches.append(pack(current, vocab_size))
+    return batches

@@ -1,0 +1,60 @@
+"""Trainer checkpoints: the trainable (LoRA) parameters, optimizer and scheduler state, the step,
+the loss history and the RNG state — everything a resumed run needs to continue exactly where the
+uninterrupted one would be. Each checkpoint is written atomically (temp folder, fsync, rename),
+and `latest` is a small file naming the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from glm5_bridge.convert import atomic_output_dir
+
+
+def save(folder: Path, step: int, params: dict, optimizer, scheduler, history: list[dict]) -> Path:
+    folder = Path(folder)
+    target = folder / f"step_{step:07d}"
+    with atomic_output_dir(target, overwrite=True) as tmp:
+        torch.save({
+            "step": step,
+            "params": {k: p.detach().clone() for k, p in params.items()},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+        }, tmp / "state.pt")
+        (tmp / "history.json").write_text(json.dumps(history))
+    latest_tmp = folder / f".latest.tmp-{os.getpid()}"
+    latest_tmp.write_text(target.name)
+    os.replace(latest_tmp, folder / "latest")
+    return target
+
+
+def load_latest(folder: Path) -> tuple[dict, list[dict]] | None:
+    """(state, history) of the newest complete checkpoint, or None when there is none."""
+    latest = Path(folder) / "latest"
+    if not latest.is_file():
+        return None
+    target = Path(folder) / latest.read_text().strip()
+    # weights_only: a checkpoint is data; never unpickle arbitrary objects from disk.
+    state = torch.load(target / "state.pt", weights_only=True)
+    return state, json.loads((target / "history.json").read_text())
+
+
+def restore(state: dict, params: dict, optimizer, scheduler) -> int:
+    missing = set(params) - set(state["params"])
+    if missing:
+        raise ValueError(f"checkpoint lacks trainable parameter {sorted(missing)[0]} (was the LoRA config changed?)")
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.shape != state["params"][name].shape:
+                raise ValueError(f"checkpoint parameter {name} has shape {tuple(state['params'][name].shape)}, "
+                                 f"model has {tuple(p.shape)}")
+            p.copy_(state["params"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
