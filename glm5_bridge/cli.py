@@ -34,6 +34,64 @@ def _make_tiny(args):
     print(make_tiny_checkpoint(args.variant, args.dst, seed=args.seed))
 
 
+def _train(args):
+    from glm5_bridge.train.recipe import load_recipe, to_yaml
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    out = Path(recipe.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
+    if recipe.task == "sft":
+        from glm5_bridge.train.sft import train_sft
+
+        result = train_sft(recipe)
+        print(f"final loss {result['history'][-1]['loss']:.4f}; curve {result.get('loss_curve')}; "
+              f"export {result.get('export', 'none')}")
+    elif recipe.rl.colocated:
+        from glm5_bridge.train.colocated import colocated_rl
+
+        colocated_rl(recipe)
+    else:
+        from glm5_bridge.train.rl import train_rl
+
+        train_rl(recipe)
+
+
+def _export(args):
+    from glm5_bridge.export import export_adapter, export_merged
+    from glm5_bridge.train import checkpoint
+    from glm5_bridge.train.common import build_policy
+    from glm5_bridge.train.recipe import load_recipe
+
+    run = Path(args.run)
+    recipe = load_recipe(run / "recipe.yaml")
+    saved = checkpoint.load_latest(run / "checkpoints")
+    if saved is None:
+        raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
+    bridge, model, params = build_policy(recipe)
+    checkpoint.restore_params(saved[0], params)
+    write = export_adapter if args.adapter else export_merged
+    print(f"{'adapter' if args.adapter else 'merged'} export written to "
+          f"{write(bridge, model, args.dst, overwrite=args.overwrite)}")
+
+
+def _plan(args):
+    from glm5_bridge.config import load_hf_config
+    from glm5_bridge.plan import Plan, count_parameters, memory_per_gpu
+
+    c = load_hf_config(args.model)
+    counts = count_parameters(c)
+    print("parameters: " + ", ".join(f"{k} {v / 1e9:.2f}B" for k, v in counts.items()))
+    stages = tuple(int(x) for x in args.stages.split(",")) if args.stages else None
+    plan = Plan(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, seq_len=args.seq_len, lora_dim=args.lora_dim,
+                stage_layers=stages)
+    m = memory_per_gpu(c, plan)
+    print(f"busiest GPU (PP stage {m['stage']}) at TP={args.tp} PP={args.pp} EP={args.ep} CP={args.cp}, "
+          f"{args.seq_len} tokens, LoRA r={args.lora_dim}:")
+    for key in ("weights_bf16", "lora_params_grads_adam", "activations", "total"):
+        print(f"  {key:24s} {m[key]:8.2f} GiB")
+
+
 def _demo(args):
     from glm5_bridge.demo import run
 
@@ -64,6 +122,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=1e-5)
     p.set_defaults(fn=_parity)
 
+    p = sub.add_parser("train", help="run a YAML recipe (LoRA SFT or LoRA RL)",
+                       description="Train with a recipe from recipes/. Dotted overrides follow the file, e.g. "
+                                   "`glm5-bridge train recipes/tiny_lora_sft.yaml train.steps=20 lora.dim=8`; an "
+                                   "unknown key or a wrong type is an error naming the key. A run resumes from "
+                                   "its last checkpoint in train.output_dir.")
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*", help="key=value, dotted (train.steps=20)")
+    p.set_defaults(fn=_train)
+
+    p = sub.add_parser("export", help="export a trained run to HF: merged weights or a PEFT adapter",
+                       description="Rebuild the run's model from RUN/recipe.yaml, load its last checkpoint and write "
+                                   "either an HF checkpoint with the LoRA deltas merged (--merge) or an HF PEFT "
+                                   "adapter (--adapter). DST appears only once complete; the base checkpoint is "
+                                   "only read.")
+    p.add_argument("run", help="a training output_dir (holds recipe.yaml and checkpoints/)")
+    p.add_argument("dst")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--merge", action="store_true", help="HF checkpoint with LoRA folded in")
+    kind.add_argument("--adapter", action="store_true", help="HF PEFT adapter (adapter_config.json + safetensors)")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(fn=_export)
+
+    p = sub.add_parser("plan", help="parameters and per-GPU memory of a GLM-5.x model for a parallel layout",
+                       description="Count parameters from config.json (a preset or a checkpoint folder) and estimate "
+                                   "memory on the busiest GPU for LoRA training (bf16 frozen weights, fp32 adapters "
+                                   "with Adam, activations with full recompute; see glm5_bridge/plan.py). Refuses "
+                                   "pipeline splits where a stage would start on an IndexShare 'shared' layer.")
+    p.add_argument("model", help='"GLM-5", "GLM-5.1", "GLM-5.2" or a checkpoint folder')
+    for flag, default in (("--tp", 8), ("--pp", 1), ("--ep", 8), ("--cp", 1)):
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
+    p.add_argument("--lora-dim", type=int, default=64)
+    p.add_argument("--stages", help="decoder layers per PP stage, comma separated (default: even split)")
+    p.set_defaults(fn=_plan)
+
     p = sub.add_parser("make-tiny", help="write a tiny random GLM-5.x HF checkpoint (for tests and demos)")
     p.add_argument("variant", choices=["GLM-5", "GLM-5.1", "GLM-5.2"])
     p.add_argument("dst")
@@ -78,11 +171,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Bad input: one line on stderr and exit status 2, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import glm5_bridge  # noqa: F401  (registers the bridge; after argparse so --help is instant)
 
-    return args.fn(args) or 0
+    try:
+        return args.fn(args) or 0
+    except USER_ERRORS as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"glm5-bridge {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -76,6 +76,15 @@ def topk_source_layers(types: list[str]) -> list[int]:
     return sources
 
 
+def check_stage_starts(types: list[str], starts: list[int]) -> None:
+    """A pipeline stage must start on a computing layer: top-k does not cross stages."""
+    bad = [s for s in starts if types[s] != "full"]
+    if bad:
+        full = [i for i, t in enumerate(types) if t == "full"]
+        raise ValueError(f"pipeline stage starts at layer {bad[0]}, an IndexShare 'shared' layer; its top-k would "
+                         f"come from another stage. Start every stage on a 'full' layer: {full}")
+
+
 def rope_interleave(hf_config: Any) -> bool:
     return bool(_get(hf_config, "rope_interleave", True))
 

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from glm5_bridge.compat import HAVE_TE
+from glm5_bridge.config import check_stage_starts
 from glm5_bridge.attention.core import SparseMLACoreAttention, SparseMLACoreAttentionSubmodules, indexer_spec
 from glm5_bridge.attention.mla import GLM5AbsorbedMLA
 from glm5_bridge.layers import DuplicatedLinear, LatentNorm, Norm
@@ -88,20 +89,12 @@ def local_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
     return list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
 
 
-def check_pipeline_split(indexer_types: list[str], layer_ids: list[int]) -> None:
-    """A pipeline stage must start on a computing layer: top-k does not cross stages."""
-    if layer_ids and indexer_types[layer_ids[0]] != "full":
-        raise ValueError(
-            f"pipeline stage starts at layer {layer_ids[0]}, an IndexShare 'shared' layer; its top-k would "
-            "come from another stage. Choose a split where every stage starts on a 'full' layer "
-            f"(full layers: {[i for i, t in enumerate(indexer_types) if t == 'full']})")
-
-
 def glm5_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
     """The decoder block spec for this pipeline stage (the provider's `transformer_layer_spec`)."""
     backend = GLM5SpecProvider()
     layer_ids = local_layer_ids(config, vp_stage, pp_rank)
-    check_pipeline_split(config.dsa_indexer_types, layer_ids)
+    if layer_ids:
+        check_stage_starts(config.dsa_indexer_types, layer_ids[:1])
     moe_pattern = config.moe_layer_freq
     specs = [layer_spec(config, backend, moe=bool(moe_pattern[i])) for i in layer_ids]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=backend.layer_norm(rms_norm=True))

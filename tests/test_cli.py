@@ -21,11 +21,20 @@ def test_convert_hf_megatron_hf_round_trip(tiny_checkpoint, tmp_path):
     assert not list(tmp_path.glob(".*tmp-*")), "no temporary folder left behind"
 
 
-def test_convert_refuses_existing_target(tiny_checkpoint, tmp_path):
+def test_convert_refuses_existing_target(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
-    with pytest.raises(FileExistsError, match="already exists"):
-        main(["convert", str(tiny_checkpoint("GLM-5")), str(tmp_path / "taken")])
+    assert main(["convert", str(tiny_checkpoint("GLM-5")), str(tmp_path / "taken")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already exists" in err and str(tmp_path / "taken") in err and "\n" not in err
     assert list((tmp_path / "taken").iterdir()) == []
+
+
+def test_plan_counts_and_refuses_bad_pipeline(capsys):
+    assert main(["plan", "GLM-5.2", "--pp", "5", "--stages", "14,16,16,16,16"]) == 0
+    out = capsys.readouterr().out
+    assert "total 753.33B" in out and "busiest GPU" in out
+    assert main(["plan", "GLM-5.2", "--pp", "2"]) == 2
+    assert "starts at layer 39, an IndexShare 'shared' layer" in capsys.readouterr().err
 
 
 def test_parity_command(tiny_checkpoint, capsys):
@@ -43,7 +52,7 @@ def test_preset_without_weights_says_so_in_one_line():
     assert "'GLM-5.2' has a config but no weights here" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("command", ["convert", "parity", "make-tiny", "demo"])
+@pytest.mark.parametrize("command", ["convert", "parity", "make-tiny", "demo", "train", "export", "plan"])
 def test_every_subcommand_explains_itself(command):
     out = subprocess.run([sys.executable, "-m", "glm5_bridge.cli", command, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: glm5-bridge " + command in out.stdout

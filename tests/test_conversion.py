@@ -96,9 +96,9 @@ def test_indexer_rope_half_split(tiny_checkpoint, tmp_path, monkeypatch):
 
 
 def test_pipeline_stage_must_start_on_a_full_layer():
-    from glm5_bridge.spec import check_pipeline_split
+    from glm5_bridge.config import check_stage_starts
 
     types = ["full", "full", "full", "shared", "shared", "shared", "full"]
-    check_pipeline_split(types, [6])
+    check_stage_starts(types, [0, 6])
     with pytest.raises(ValueError, match="starts at layer 4, an IndexShare 'shared' layer"):
-        check_pipeline_split(types, [4, 5, 6])
+        check_stage_starts(types, [0, 4])

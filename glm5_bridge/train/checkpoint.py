@@ -45,6 +45,14 @@ def load_latest(folder: Path) -> tuple[dict, list[dict]] | None:
 
 
 def restore(state: dict, params: dict, optimizer, scheduler) -> int:
+    restore_params(state, params)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def restore_params(state: dict, params: dict) -> None:
     missing = set(params) - set(state["params"])
     if missing:
         raise ValueError(f"checkpoint lacks trainable parameter {sorted(missing)[0]} (was the LoRA config changed?)")
@@ -54,7 +62,3 @@ def restore(state: dict, params: dict, optimizer, scheduler) -> int:
                 raise ValueError(f"checkpoint parameter {name} has shape {tuple(state['params'][name].shape)}, "
                                  f"model has {tuple(p.shape)}")
             p.copy_(state["params"][name])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])

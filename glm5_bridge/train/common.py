@@ -4,6 +4,7 @@ learning-rate schedule, the loss-curve plot."""
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,6 +29,19 @@ def build_policy(recipe: Recipe):
     targets = lora_targets(mla=lo.mla, dense_mlp=lo.dense_mlp, shared_experts=lo.shared_experts, experts=lo.experts)
     model = apply_lora(model, GLM5LoRA(dim=lo.dim, alpha=lo.alpha, dropout=lo.dropout, target_modules=targets))
     return bridge, model, lora_parameters(model)
+
+
+@contextmanager
+def adapters_off(model):
+    """The base model (the RL reference policy): every LoRA adapter disabled inside the block."""
+    wrappers = [m for m in model.modules() if hasattr(m, "disable_adapter_layers")]
+    for m in wrappers:
+        m.disable_adapter_layers()
+    try:
+        yield model
+    finally:
+        for m in wrappers:
+            m.enable_adapter_layers()
 
 
 def token_logprobs(model, batch) -> torch.Tensor:

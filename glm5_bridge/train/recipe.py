@@ -70,11 +70,19 @@ class ExportConfig:
 class RLConfig:
     clip_eps: float = 0.2  # GRPO/PPO ratio clip
     kl_coef: float = 0.0  # KL(policy ‖ reference) penalty; the reference is the base model (LoRA off)
-    replay: bool = True  # replay the rollout's indexer top-k when the rollout file carries it
+    replay: bool = True  # replay the rollout's indexer top-k when the rollout carries it
+    # colocated: no rollout file; transformers generates from the policy's merged weights each step
+    # (prompts: the embedded arithmetic problems), see train/colocated.py.
+    colocated: bool = False
+    prompts_per_step: int = 4
+    samples_per_prompt: int = 2
+    max_new_tokens: int = 4
+    rollout_indexer_dtype: str = "float32"  # "bfloat16" emulates an engine's low-precision indexer
 
 
 @dataclass
 class Recipe:
+    task: str = "sft"  # sft | rl
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -98,6 +106,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         where = f"{path}: " if path else ""
         raise ValueError(f"{where}{e.msg.splitlines()[0]} (key: {e.full_key})") from None
     recipe: Recipe = OmegaConf.to_object(merged)
+    if recipe.task not in ("sft", "rl"):
+        raise ValueError(f"task must be sft or rl, got {recipe.task!r}")
     if recipe.export.kind not in ("merged", "adapter", "none"):
         raise ValueError(f"export.kind must be merged, adapter or none, got {recipe.export.kind!r}")
     return recipe

@@ -1,0 +1,213 @@
+"""Export a (LoRA-)trained Megatron GLM-5 model back to Hugging Face.
+
+    export_merged(bridge, model, "out/merged")    # HF checkpoint, LoRA deltas folded into the weights
+    export_adapter(bridge, model, "out/adapter")  # HF PEFT adapter: PeftModel.from_pretrained(base, path)
+
+Both are megatron-bridge's own writers (`AutoBridge.save_hf_pretrained` with adapter merging,
+`AutoBridge.save_hf_adapter`) wrapped so that:
+  - the result appears all at once: files are written into a temporary folder next to the
+    target, fsynced, then renamed into place; a failure leaves no partial target behind;
+  - an existing target is refused unless `overwrite=True` (then replaced, again by rename);
+  - the base checkpoint is only read: a target that is, contains or lies inside it is refused;
+  - a merged checkpoint always has `model.safetensors.index.json` (upstream keeps the base
+    checkpoint's shard layout and writes an index only when the base had one).
+
+Both are collective: every rank calls them (TP/PP/EP shards are gathered); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch.distributed as dist
+
+from glm5_bridge.lora import lora_parameters
+
+INDEX_NAME = "model.safetensors.index.json"
+
+ADAPTER_MLP_UNSUPPORTED = (
+    "export_adapter: the model has LoRA on MLP projections ({example}, …). PEFT 0.21 with transformers "
+    "5.23 rewrites every gate_proj/up_proj/down_proj target of a glm_moe_dsa model into the fused "
+    "routed-expert parameters (transformers' qwen2_moe conversion pattern), so such an adapter would load "
+    "into the wrong weights or not at all. Export it with export_merged, or train LoRA on the attention "
+    "projections only (lora_targets(), the default).")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _from_rank0(value):
+    """rank 0's value on every rank (so that all ranks take the same branch around collectives)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _base_checkpoint(bridge) -> Path | None:
+    source = getattr(bridge.hf_pretrained, "model_name_or_path", None)
+    return Path(source).resolve() if source and Path(source).exists() else None
+
+
+def _check_target(bridge, out: Path, overwrite: bool) -> str | None:
+    """Why `out` may not be written, or None."""
+    base = _base_checkpoint(bridge)
+    if base is not None and (out == base or base in out.parents or out in base.parents):
+        return f"{out}: refusing to write into or over the base checkpoint {base}"
+    if out.exists() and not out.is_dir():
+        return f"{out} exists and is not a folder"
+    if out.exists() and not overwrite:
+        return f"{out} exists; pass overwrite=True to replace it"
+    return None
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for path in [*sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
+        _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_export(bridge, out_dir, overwrite: bool, write) -> Path:
+    """Run `write(tmp_dir)` on every rank, then (rank 0) publish tmp_dir as `out_dir` by rename."""
+    out = Path(out_dir).resolve()
+    error = _from_rank0(_check_target(bridge, out, overwrite) if _rank() == 0 else None)
+    if error is not None:
+        raise FileExistsError(error)
+    tmp = Path(_from_rank0(str(out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")))
+    failed = None
+    try:
+        if _rank() == 0:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+        write(tmp)
+    except BaseException as exc:  # clean up, then re-raise below
+        failed = exc
+    failed_anywhere = _any_rank(failed is not None)
+    if _rank() == 0 and tmp.exists() and (failed_anywhere or failed is not None):
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failed is not None:
+        raise failed
+    if failed_anywhere:
+        raise RuntimeError(f"export to {out} failed on another rank; nothing was written")
+    if _rank() == 0:
+        _fsync_tree(tmp)
+        old = None
+        if out.exists():  # overwrite=True: move the old one aside, swap, then delete it
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return any(flags)
+
+
+def _write_index_if_missing(folder: Path) -> None:
+    """An index for a checkpoint whose tensors sit in plain *.safetensors files."""
+    if (folder / INDEX_NAME).exists():
+        return
+    from safetensors import safe_open
+
+    weight_map, total = {}, 0
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = shard.name
+                sl = f.get_slice(key)
+                numel = 1
+                for n in sl.get_shape():
+                    numel *= n
+                total += numel * _dtype_bytes(sl.get_dtype())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+            "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}[dtype]
+
+
+def _chunks(model) -> list:
+    return model if isinstance(model, list) else [model]
+
+
+def export_merged(bridge, model, out_dir, overwrite: bool = False, show_progress: bool = False) -> Path:
+    """Write an HF checkpoint (safetensors shards + index, config, tokenizer and generation config)
+    with every LoRA delta folded into its base weight; loadable with
+    `GlmMoeDsaForCausalLM.from_pretrained(out_dir)`. The MTP layer is kept (transformers ignores it).
+    Without adapters this is a plain export. Returns the resolved target path."""
+
+    def write(tmp: Path) -> None:
+        bridge.save_hf_pretrained(_chunks(model), tmp, show_progress=show_progress, merge_adapter_weights=True)
+        if _rank() == 0:
+            _write_index_if_missing(tmp)
+
+    return _atomic_export(bridge, out_dir, overwrite, write)
+
+
+def export_adapter(bridge, model, out_dir, overwrite: bool = False, include_mtp: bool = False,
+                   show_progress: bool = False) -> Path:
+    """Write the LoRA adapters as an HF PEFT adapter (adapter_config.json + adapter_model.safetensors,
+    HF module names), loadable with `peft.PeftModel.from_pretrained(hf_base_model, out_dir)`.
+
+    The MTP layer's adapters are left out unless `include_mtp` (transformers has no MTP module, so
+    PEFT would report them as unexpected keys). Only attention-projection adapters are supported
+    (see ADAPTER_MLP_UNSUPPORTED). Returns the resolved target path."""
+    names = list(lora_parameters(model))
+    if not names:
+        raise ValueError("export_adapter: the model has no LoRA adapters (apply glm5_bridge.lora.GLM5LoRA first)")
+    mlp = [n for n in names if ".mlp." in n]
+    if mlp:
+        raise NotImplementedError(ADAPTER_MLP_UNSUPPORTED.format(example=mlp[0].split(".adapter.")[0]))
+    peft_config = _adapter_hyperparameters(model)
+    base = _base_checkpoint(bridge)
+
+    def write(tmp: Path) -> None:
+        bridge.save_hf_adapter(_chunks(model), tmp, peft_config=peft_config,
+                               base_model_name_or_path=str(base) if base else None, show_progress=show_progress,
+                               exclude_adapter_base_prefixes=None if include_mtp else ("mtp.",))
+
+    return _atomic_export(bridge, out_dir, overwrite, write)
+
+
+def _adapter_hyperparameters(model) -> SimpleNamespace:
+    """rank, alpha and dropout as `save_hf_adapter` reads them from a PEFT config, taken from the
+    adapters themselves. PEFT scales each module by lora_alpha / its rank (upstream writes differing
+    ranks as rank_pattern), so one alpha must hold for all adapters."""
+    adapters = [m.adapter for chunk in _chunks(model) for m in chunk.modules()
+                if hasattr(getattr(m, "adapter", None), "dim")]
+    alphas = {a.alpha for a in adapters}
+    if len(alphas) > 1:
+        raise NotImplementedError(f"export_adapter: adapters have different alphas {sorted(alphas)}; "
+                                  "a PEFT adapter_config.json holds one lora_alpha")
+    dims = [a.dim for a in adapters]
+    return SimpleNamespace(dim=max(set(dims), key=dims.count), alpha=alphas.pop(),
+                           dropout=max(getattr(a.dropout, "p", 0.0) for a in adapters))

@@ -1,0 +1,177 @@
+"""A colocated RL loop that needs no server: transformers `generate` on the policy's merged HF
+weights is the rollout engine, its indexer top-k per computing layer is captured as the rollout's
+replay payload, a reward checks the arithmetic answer, the Megatron side takes a LoRA RL step (with
+or without replay), and the merged weights are synced back into the rollout model after each step.
+
+Real rollout engines run their indexer in low precision with their own kernels, so their top-k
+differs from a recomputation in training for a few queries. `rollout_indexer_dtype="bfloat16"`
+reproduces that on a CPU: the rollout model's indexers score in bf16 while everything else stays
+fp32. With replay on, training attends to exactly the rollout's keys and the train↔rollout gap is
+fp32 noise; with replay off it also contains every selection the two indexers disagree on.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from glm5_bridge.data import arithmetic_problems
+from glm5_bridge.replay import RequestTopk
+from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
+from glm5_bridge.train.recipe import Recipe
+from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
+
+
+def fuse_experts(weights: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Tensor]:
+    """Checkpoint names (experts one by one) → transformers' in-memory layout (experts stacked:
+    gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+    out = dict(weights)
+    for name, param in hf_model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            out[name] = torch.stack([torch.cat([out.pop(f"{prefix}{e}.gate_proj.weight"),
+                                                out.pop(f"{prefix}{e}.up_proj.weight")]) for e in range(param.shape[0])])
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            out[name] = torch.stack([out.pop(f"{prefix}{e}.down_proj.weight") for e in range(param.shape[0])])
+    return out
+
+
+def sync_weights(bridge, model, hf_model) -> None:
+    """Megatron policy (LoRA merged) → the transformers rollout model, in memory."""
+    weights = {k: v.clone() for k, v in bridge.export_hf_weights([model], cpu=True, show_progress=False,
+                                                                 merge_adapter_weights=True)}
+    missing, _ = hf_model.load_state_dict(fuse_experts(weights, hf_model), strict=False)
+    if missing:
+        raise RuntimeError(f"weight sync left {len(missing)} rollout parameters unset, e.g. {missing[0]}")
+
+
+class IndexerCapture:
+    """Hooks every indexer of a transformers GlmMoeDsa model and assembles, per generated request,
+    the sglang-style payload: int32 [len(tokens) − 1, n_full_layers, index_topk], request-local key
+    positions, −1 padded."""
+
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
+        self.indexers = [layer.self_attn.indexer for layer in hf_model.model.layers if layer.self_attn.indexer is not None]
+        self.topk = hf_model.config.index_topk
+        self.dtype = dtype
+        self.rows: list[list[torch.Tensor]] = []
+
+    @contextmanager
+    def capturing(self):
+        self.rows = [[] for _ in self.indexers]
+        originals = [ix.forward for ix in self.indexers]
+        for slot, ix in enumerate(self.indexers):
+            ix.forward = self._wrap(slot, ix, originals[slot])
+        try:
+            yield self
+        finally:
+            for ix, fwd in zip(self.indexers, originals):
+                ix.forward = fwd
+
+    def _wrap(self, slot, indexer, forward):
+        low_precision = self.dtype != torch.float32
+
+        def captured(*args, **kwargs):
+            # autocast runs the indexer's projections and score matmuls in the engine-like dtype
+            # without touching its fp32 weights.
+            with torch.autocast("cpu", dtype=self.dtype, enabled=low_precision):
+                idx = forward(*args, **kwargs)
+            self.rows[slot].append(self._padded(idx[0]))
+            return idx
+        return captured
+
+    def _padded(self, idx: torch.Tensor) -> torch.Tensor:
+        """[q, k ≤ index_topk] indices of the newest q queries → [q, index_topk], −1 filled."""
+        out = torch.full((idx.shape[0], self.topk), -1, dtype=torch.int32)
+        out[:, : idx.shape[1]] = idx.to(torch.int32)
+        return out
+
+    def payload(self, num_tokens: int) -> RequestTopk:
+        """Keys after their query → −1: the reference indexer ranks masked keys last but still
+        returns them when a query sees fewer than index_topk keys."""
+        layers = []
+        for rows in self.rows:
+            t = torch.cat(rows)[: num_tokens - 1]
+            pos = torch.arange(t.shape[0])[:, None]
+            layers.append(torch.where(t > pos, torch.full_like(t, -1), t))
+        return RequestTopk(torch.stack(layers, dim=1))
+
+
+def answer_reward(tokenizer, problem: dict, completion_ids: list[int]) -> float:
+    """1 when the completion's first number is the answer, 0.1 for any number (format), else 0."""
+    text = tokenizer.decode(completion_ids, skip_special_tokens=True)
+    found = re.search(r"-?\d+", text)
+    if found is None:
+        return 0.0
+    return 1.0 if found.group() == problem["messages"][1]["content"] else 0.1
+
+
+def generate_rollouts(hf_model, tokenizer, problems, capture: IndexerCapture, max_new_tokens: int,
+                      generator: torch.Generator) -> list[dict]:
+    """Rows in the rollout-file format of train/rl.py (sglang-style `meta_info` included)."""
+    rows = []
+    for i, problem in enumerate(problems):
+        prompt = tokenizer.apply_chat_template(problem["messages"][:1], add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+        with capture.capturing(), torch.no_grad():
+            torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=True,
+                                    temperature=1.0, top_k=0, top_p=1.0, output_scores=True,
+                                    return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
+                                    pad_token_id=tokenizer.eos_token_id)
+            tokens = out.sequences[0].tolist()
+            completion = tokens[len(prompt):]
+            # Rollout log-probs of the sampled tokens under the sampling distribution (temperature 1).
+            logprobs = [0.0] * len(prompt) + [torch.log_softmax(s[0].float(), -1)[t].item()
+                                              for s, t in zip(out.scores, completion)]
+            payload = capture.payload(len(tokens))
+        row = {"tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(completion),
+               "rollout_logprobs": logprobs, "reward": answer_reward(tokenizer, problem, completion),
+               "group": problem["messages"][0]["content"],
+               "meta_info": {**payload.to_sglang(), "prompt_tokens": len(prompt),
+                             "completion_tokens": len(completion)}}
+        rows.append(row)
+    return rows
+
+
+def colocated_rl(recipe: Recipe) -> dict:
+    """`recipe.train.steps` rounds of generate → reward → RL step → weight sync. The Megatron step
+    replays the captured top-k when `recipe.rl.replay`. Returns the per-step metrics."""
+    from transformers import AutoTokenizer
+
+    from glm5_bridge.testing import load_hf
+
+    out = Path(recipe.train.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(recipe.train.seed)
+    bridge, model, params = build_policy(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
+    hf_model = load_hf(recipe.model.checkpoint)
+    rl = recipe.rl
+    capture = IndexerCapture(hf_model, getattr(torch, rl.rollout_indexer_dtype))
+    optimizer, scheduler = optimizer_and_schedule(params, recipe)
+    problems = arithmetic_problems(recipe.train.steps * rl.prompts_per_step, seed=recipe.data.seed)
+    generator = torch.Generator().manual_seed(recipe.train.seed)
+    history = []
+    model.train()
+    for step in range(recipe.train.steps):
+        sync_weights(bridge, model, hf_model)
+        chosen = problems[step * rl.prompts_per_step:(step + 1) * rl.prompts_per_step]
+        rows = generate_rollouts(hf_model, tokenizer, [p for p in chosen for _ in range(rl.samples_per_prompt)],
+                                 capture, rl.max_new_tokens, generator)
+        rollouts = [Rollout(r, f"step {step + 1} rollout {i}", model.vocab_size, capture.topk)
+                    for i, r in enumerate(rows)]
+        _fill_advantages(rollouts)
+        batch = rollout_batch(rollouts, model.vocab_size)
+        metrics = rl_step(model, params, optimizer, scheduler, batch, recipe)
+        metrics.update(step=step + 1, reward=sum(float(r.reward) for r in rollouts) / len(rollouts))
+        history.append(metrics)
+        print(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}))
+    (out / "history.json").write_text(json.dumps(history, indent=1))
+    plot_curves(history, ["reward", "logprob_abs_diff_mean", "kl_rollout_train"], out / "rl.png", "colocated LoRA RL")
+    return {"history": history, "model": model, "bridge": bridge}
