@@ -95,7 +95,7 @@ def _plan(args):
 def _demo(args):
     from glm5_bridge.demo import run
 
-    return run(args.workdir)
+    return run(args.workdir, sft_steps=args.sft_steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,9 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser("demo", help="the main job on the embedded default (tiny GLM-5.2), end to end",
-                       description="Make a tiny GLM-5.2, convert it to Megatron, run it, export it back to HF "
-                                   "and verify parity with transformers. Everything is written under WORKDIR.")
+                       description="Make a tiny GLM-5.2, convert it to Megatron and back (checked against "
+                                   "transformers), LoRA-SFT it on the embedded arithmetic data, export the merged HF "
+                                   "checkpoint, reload it in transformers and answer a few prompts. Everything is "
+                                   "written under WORKDIR (summary.json, sft/loss.png).")
     p.add_argument("--workdir", default="runs/demo")
+    p.add_argument("--sft-steps", type=int, default=None, help="override the recipe's train.steps")
     p.set_defaults(fn=_demo)
     return parser
 

@@ -1,5 +1,14 @@
-"""The main job on the embedded default: a tiny GLM-5.2 made locally, converted to Megatron, run,
-exported back to HF and verified against transformers. Runs on a CPU in well under a minute."""
+"""The main job on the embedded default, end to end on a CPU in a few minutes:
+
+  1. make a tiny random GLM-5.2 (IndexShare, MTP) HF checkpoint;
+  2. convert it to a Megatron distributed checkpoint and back, check every tensor and the logits
+     against transformers;
+  3. LoRA SFT on the embedded arithmetic data (recipes/tiny_lora_sft.yaml), loss curve PNG;
+  4. export the merged HF checkpoint, reload it in transformers, check it gives the trained
+     Megatron model's logits, and answer a few prompts.
+
+Everything lands under WORKDIR; `summary.json` holds the numbers.
+"""
 
 from __future__ import annotations
 
@@ -8,44 +17,86 @@ from pathlib import Path
 
 import torch
 
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_lora_sft.yaml"
 
-def run(workdir: str = "runs/demo") -> int:
+
+def _answers(hf_model, tokenizer, problems) -> list[dict]:
+    out = []
+    for p in problems:
+        prompt = tokenizer.apply_chat_template(p["messages"][:1], add_generation_prompt=True, tokenize=True)
+        prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+        with torch.no_grad():
+            ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False,
+                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        answer = tokenizer.decode(ids[0, len(prompt):], skip_special_tokens=True)
+        out.append({"question": p["messages"][0]["content"], "expected": p["messages"][1]["content"],
+                    "answer": answer})
+    return out
+
+
+def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from glm5_bridge.convert import hf_to_megatron, load_megatron_checkpoint, megatron_to_hf
+    from glm5_bridge.data import arithmetic_problems
     from glm5_bridge.testing import load_hf, make_tiny_checkpoint, megatron_logits
+    from glm5_bridge.train.recipe import load_recipe, to_yaml
+    from glm5_bridge.train.sft import train_sft
 
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    hf_dir, mcore_dir, back_dir = work / "hf", work / "megatron", work / "hf_export"
+    hf_dir, mcore_dir, back_dir = work / "hf", work / "megatron", work / "hf_roundtrip"
+    summary: dict = {}
 
-    print(f"[1/4] tiny GLM-5.2 (IndexShare, MTP) → {hf_dir}")
+    print(f"[1/4] tiny GLM-5.2 (IndexShare + MTP) → {hf_dir}")
     make_tiny_checkpoint("GLM-5.2", hf_dir, seed=0)
-    print(f"[2/4] HF → Megatron distributed checkpoint → {mcore_dir}")
-    hf_to_megatron(hf_dir, mcore_dir, overwrite=True)
 
-    print("[3/4] Megatron forward vs transformers")
+    print(f"[2/4] HF → Megatron ({mcore_dir}) → HF ({back_dir}), parity with transformers")
+    hf_to_megatron(hf_dir, mcore_dir, overwrite=True)
     _, model = load_megatron_checkpoint(mcore_dir)
     hf = load_hf(hf_dir)
     ids = torch.randint(0, hf.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits_diff = (megatron_logits(model.eval(), ids) - hf(input_ids=ids).logits).abs().max().item()
-
-    print(f"[4/4] Megatron → HF → {back_dir}")
+        summary["convert_logits_max_abs_diff"] = (megatron_logits(model.eval(), ids) - hf(input_ids=ids).logits
+                                                  ).abs().max().item()
     megatron_to_hf(mcore_dir, back_dir, overwrite=True)
     src, out = load_file(hf_dir / "model.safetensors"), load_file(back_dir / "model.safetensors")
-    identical = sum(torch.equal(src[k], out[k]) for k in src if k in out)
-    with torch.no_grad():
-        reload_diff = (load_hf(back_dir)(input_ids=ids).logits - hf(input_ids=ids).logits).abs().max().item()
+    same = set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
+    summary["convert_tensors_bit_identical"] = f"{sum(torch.equal(src[k], out[k]) for k in src if k in out)}/{len(src)}"
 
-    summary = {
-        "logits_max_abs_diff_megatron_vs_transformers": logits_diff,
-        "tensors_bit_identical_after_round_trip": f"{identical}/{len(src)}",
-        "exported_keys_match": set(src) == set(out),
-        "logits_max_abs_diff_exported_vs_source": reload_diff,
-    }
+    print(f"[3/4] LoRA SFT ({RECIPE.name}) on the embedded arithmetic data")
+    overrides = [f"model.checkpoint={hf_dir}", f"train.output_dir={work / 'sft'}", "train.resume=false"]
+    if sft_steps is not None:
+        overrides.append(f"train.steps={sft_steps}")
+    recipe = load_recipe(RECIPE, overrides)
+    (work / "sft").mkdir(parents=True, exist_ok=True)
+    (work / "sft" / "recipe.yaml").write_text(to_yaml(recipe))
+    result = train_sft(recipe)
+    losses = [h["loss"] for h in result["history"]]
+    k = max(1, len(losses) // 10)
+    summary.update(sft_steps=len(losses), sft_loss_first=sum(losses[:k]) / k, sft_loss_last=sum(losses[-k:]) / k,
+                   loss_curve=result["loss_curve"])
+
+    print(f"[4/4] merged export {result['export']} → transformers")
+    merged = load_hf(result["export"])
+    trained = result["model"].eval()
+    with torch.no_grad():
+        ours = megatron_logits(trained, ids)
+        summary["export_logits_max_abs_diff"] = (ours - merged(input_ids=ids).logits).abs().max().item()
+        summary["logits_max_abs"] = ours.abs().max().item()
+    tokenizer = AutoTokenizer.from_pretrained(result["export"])
+    summary["answers"] = _answers(merged, tokenizer, arithmetic_problems(5, seed=12345))
+
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
-    ok = logits_diff <= 1e-5 and identical == len(src) and set(src) == set(out) and reload_diff == 0.0
-    print("PARITY OK" if ok else "PARITY FAILED")
+    # The merged HF model computes attention in expanded form (k = W_UK·latent), Megatron in absorbed
+    # form (q·W_UK against the latent): the same function summed in another order. After training,
+    # fp32 rounding of that reordering reaches ~1.5e-5 on logits of size ~4; a real error (a missed or
+    # doubled LoRA delta) moves them by more than 1e-1.
+    export_tol = 5e-5
+    ok = (summary["convert_logits_max_abs_diff"] <= 1e-5 and same
+          and summary["export_logits_max_abs_diff"] <= export_tol
+          and summary["sft_loss_last"] < summary["sft_loss_first"])
+    print("DEMO OK: conversion exact, loss fell, export matches" if ok else "DEMO FAILED")
     return 0 if ok else 1

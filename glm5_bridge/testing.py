@@ -184,10 +184,17 @@ def load_megatron(path, load_weights: bool = True, **provider_overrides):
 
 
 def load_hf(path: str | os.PathLike):
-    """The transformers reference model (fp32, eval)."""
+    """The transformers reference model (fp32, eval). Its load report would list the MTP layer's
+    tensors as unexpected (transformers builds no MTP module), so it is kept quiet."""
     from transformers import GlmMoeDsaForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    return GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def packed_seq_params(lengths: list[int]):
