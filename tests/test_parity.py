@@ -123,3 +123,11 @@ def test_loss_and_grads_match_transformers(tiny_checkpoint):
         assert (ours[name] - g).abs().max().item() <= 1e-5, name
         compared += 1
     assert compared > 100
+
+
+def test_inference_context_is_refused_clearly(tiny_checkpoint):
+    _, model = load_megatron(tiny_checkpoint("GLM-5"))
+    attention = model.decoder.layers[0].self_attention
+    hidden = torch.zeros(4, 1, model.config.hidden_size)
+    with pytest.raises(NotImplementedError, match="training-only: inference_context must be None"):
+        attention(hidden, None, inference_context=object())

@@ -32,10 +32,13 @@ compile_kernels(heads, topk, softmax_scale, parts)
     Build (or load from TileLang's disk cache) the kernels for one shape, e.g. in parallel
     processes before a run: each kernel compiles in 15–30 s the first time.
 
-Today the kernels are megatron-core 0.19.2's TileLang sparse-MLA ops; `tilelang_ops()` in
-sparse_mla.py is the only place that imports them, so replacing them with our own kernels changes
-that one function. kernels/reference.py holds a torch version of the same two ops (same
-arguments, same log2 lse convention) that the CPU tests run the autograd glue against.
+Kernel sets (`tilelang_ops()` in sparse_mla.py picks one; $GLM5_DSA_KERNELS overrides):
+  "upstream" (default): megatron-core 0.19.2's TileLang sparse-MLA ops (`upstream_ops()`).
+  "ours": our forward (kernels/sparse_mla_fwd.py: dynamic token count, one build for every
+          length, no padding copies; fp32 reference `fwd_reference` beside it) + upstream's
+          backward reading our lse (`ours_ops()`). Device numbers and status: docs/kernels.md.
+kernels/reference.py holds a torch version of the same two ops (same arguments, same log2 lse
+convention) that the CPU tests run the autograd glue against.
 """
 
 from glm5_bridge.kernels.sparse_mla import (

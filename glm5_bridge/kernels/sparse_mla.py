@@ -9,6 +9,7 @@ The kernels take a batch axis and a kv-group axis that our flat layout does not 
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 
 import torch
@@ -36,15 +37,57 @@ def require_tilelang() -> None:
                           f"reinstall with {INSTALL_HINT}") from None
 
 
-@functools.cache
+KERNELS_ENV = "GLM5_DSA_KERNELS"  # "upstream" (default) or "ours"
+DEFAULT_KERNELS = "upstream"
+OURS_FWD_VARIANT = "simple"  # kernels/sparse_mla_fwd.VARIANTS key used by ours_ops()
+
+
+def default_kernels() -> str:
+    """Which kernels `sparse_mla` runs: $GLM5_DSA_KERNELS, else DEFAULT_KERNELS. Ours become the
+    default only once they pass their device checks and beat upstream (docs/kernels.md)."""
+    name = os.environ.get(KERNELS_ENV, DEFAULT_KERNELS)
+    if name not in ("upstream", "ours"):
+        raise ValueError(f"{KERNELS_ENV} must be 'upstream' or 'ours'; got {name!r}")
+    return name
+
+
 def tilelang_ops() -> SimpleNamespace:
     """The two kernel entry points `SparseMLA` runs (kernels/reference.py has the same in torch):
 
     fwd(q, kv, idx, scale) → (out, lse)
     bwd(q, kv, out, dout, idx, lse, scale) → (dq bf16, dkv bf16)
 
-    Today: megatron-core 0.19.2's TileLang ops (adapted from TileLang's deepseek_v32 examples).
+    The default set (`default_kernels()`): megatron-core 0.19.2's TileLang ops (`upstream_ops`) or
+    ours (`ours_ops`, kernels/sparse_mla_fwd.py).
     """
+    return ours_ops() if default_kernels() == "ours" else upstream_ops()
+
+
+def ours_ops(fwd_variant: str | None = None) -> SimpleNamespace:
+    return _ours_ops(fwd_variant or OURS_FWD_VARIANT)
+
+
+@functools.cache
+def _ours_ops(fwd_variant: str) -> SimpleNamespace:
+    """Our forward kernel (dynamic token count: one build for every length, no padding copies,
+    lse saved for backward); backward: upstream's kernels until ours pass (bwd_is_ours)."""
+    require_tilelang()
+    from glm5_bridge.kernels import sparse_mla_fwd
+
+    up = upstream_ops()
+
+    def fwd(q, kv, idx, scale):
+        _, t, h, _ = q.shape
+        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale,
+                                      variant=fwd_variant)
+        return out.view(1, t, h, D_V), lse.view(1, t, h)
+
+    return SimpleNamespace(fwd=fwd, bwd=up.bwd, bwd_is_ours=False)
+
+
+@functools.cache
+def upstream_ops() -> SimpleNamespace:
+    """megatron-core 0.19.2's TileLang ops (adapted from TileLang's deepseek_v32 examples)."""
     require_tilelang()
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
@@ -60,7 +103,7 @@ def tilelang_ops() -> SimpleNamespace:
         delta = bwd_mod.sparse_mla_delta(out, dout)
         return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False)
 
 
 def kernel_heads(heads: int) -> int:
@@ -158,7 +201,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=("fwd", "
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk` and this softmax scale. Each part can be built in its own
     process; later processes then load them from the cache instead of compiling."""
-    tilelang_ops()
+    upstream_ops()
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 
@@ -175,3 +218,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=("fwd", "
     }
     for part in parts:
         builders[part]()
+    if "fwd" in parts and default_kernels() == "ours":
+        from glm5_bridge.kernels import sparse_mla_fwd
+
+        sparse_mla_fwd.get_kernel(OURS_FWD_VARIANT, hk, kp, scale)

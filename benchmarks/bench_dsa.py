@@ -1,0 +1,398 @@
+"""DSA kernel benchmark, one run on the device: our TileLang kernels vs megatron-core 0.19.2's TileLang
+ops vs a torch reference, with dense causal flash attention (torch SDPA) as the bar.
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_dsa.py [--parts check,sparse,indexer,compile,dense]
+        [--out $OUT/bench_dsa.json]
+
+Prints one `RESULT {json}` line per measurement and a table last; writes every row to --out.
+
+Sparse MLA (q [S,H,576], kv [S,576], top-k 2048 random causal, one sequence of S tokens):
+  ours      our fwd kernel (kernels/sparse_mla_fwd.py) + our bwd where it exists, raw kernel calls
+  upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
+  iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs), GLM5_DSA_KERNELS=upstream and =ours
+  torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
+FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
+share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)).
+Dense: SDPA causal, bf16, [1, 64, S, 256] q/k/v; FLOPs counted for the causal half only:
+fwd 2·S²·H·D (QKᵀ and PV, half the S² pairs), bwd 2.5 × fwd.
+Timings: median of CUDA-event times after warm-up; spread = max − min.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the model stack's __init__
+    pkg = types.ModuleType("glm5_bridge")
+    pkg.__path__ = [str(ROOT / "glm5_bridge")]
+    sys.modules["glm5_bridge"] = pkg
+
+import importlib  # noqa: E402
+
+iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
+from glm5_bridge.kernels import sparse_mla_fwd as ours_fwd  # noqa: E402
+
+TOPK, SCALE = 2048, 1 / 16
+ROWS = []
+OUT_PATH = None
+
+
+def emit(kind, **row):
+    row = {"kind": kind, **row}
+    ROWS.append(row)
+    print("RESULT " + json.dumps(row), flush=True)
+    if OUT_PATH:
+        with open(OUT_PATH, "w") as f:
+            json.dump(ROWS, f, indent=1)
+
+
+def median_ms(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), max(times) - min(times)
+
+
+def causal_topk(lengths, k, gen):
+    """[T, k] int32 flat indices: each query draws min(k, visible) distinct keys of its own causal
+    window, −1 elsewhere, slots shuffled (−1 interleaved)."""
+    total = sum(lengths)
+    out = torch.full((total, k), -1, dtype=torch.int32, device="cuda")
+    start = 0
+    for n in lengths:
+        for r0 in range(0, n, 1024):
+            r1 = min(r0 + 1024, n)
+            rows = torch.arange(r0, r1, device="cuda")
+            score = torch.rand(r1 - r0, n, device="cuda", generator=gen)
+            score = score.masked_fill(torch.arange(n, device="cuda")[None] > rows[:, None], -1.0)
+            w = min(k, n)
+            best, idx = score.topk(w, dim=-1)
+            out[start + r0:start + r1, :w] = (idx + start).masked_fill(best < 0, -1).int()
+        start += n
+    perm = torch.randperm(k, device="cuda", generator=gen)
+    return out[:, perm].contiguous()
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def upstream_mods():
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
+    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
+
+    return fwd_mod, bwd_mod
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_fwd(variants):
+    """Our forward vs the fp32 torch reference (kernels/sparse_mla_fwd.fwd_reference)."""
+    cases = [([1, 63, 1000, 130], 64), ([777], 16), ([4096, 2500, 1700], 64), ([300, 5], 128)]
+    ok = True
+    for lengths, heads in cases:
+        gen = torch.Generator(device="cuda").manual_seed(sum(lengths) + heads)
+        total = sum(lengths)
+        q = torch.randn(total, heads, 576, device="cuda", generator=gen).bfloat16()
+        kv = torch.randn(total, 576, device="cuda", generator=gen).bfloat16()
+        idx = causal_topk(lengths, TOPK, gen)
+        idx[min(3, total - 1)] = -1  # one all-empty row
+        rows = torch.randperm(total, device="cuda", generator=gen)[:384].sort().values
+        rows = torch.unique(torch.cat([rows, torch.tensor([0, min(3, total - 1)], device="cuda")]))
+        ref_o, ref_l = ours_fwd.fwd_reference(q[rows], kv, idx[rows], SCALE)
+        for v in variants:
+            if v.startswith("ws") and heads % 64:
+                continue
+            try:
+                o = torch.full((total, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
+                o, lse = ours_fwd.fwd(q, kv, idx, SCALE, variant=v)
+                torch.cuda.synchronize()
+                eo, el = rel(o[rows], ref_o), rel(lse[rows], ref_l)
+                finite = bool(torch.isfinite(o).all() and torch.isfinite(lse).all())
+                empty_zero = bool((o[min(3, total - 1)] == 0).all())
+                good = finite and empty_zero and eo < 1e-2 and el < 1e-3
+            except Exception as e:  # noqa: BLE001
+                eo = el = float("nan")
+                finite = empty_zero = good = False
+                print(f"check {v} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            ok &= good
+            emit("check_fwd", variant=v, lengths="+".join(map(str, lengths)), heads=heads, out_rel=eo,
+                 lse_rel=el, finite=finite, empty_row_zero=empty_zero, passed=good)
+    return ok
+
+
+def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
+    """Our ops through SparseMLA (fwd + bwd) vs the fp32 reference ops (kernels/reference.py)."""
+    from glm5_bridge.kernels import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    total = sum(lengths)
+    q = torch.randn(total, heads, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(total, 576, device="cuda", generator=gen).bfloat16()
+    idx = causal_topk(list(lengths), TOPK, gen).long()
+    dout = torch.randn(total, heads, 512, device="cuda", generator=gen).bfloat16()
+    res = {}
+    for name, ops in (("ours", iface.ours_ops()), ("ref", reference.OPS)):
+        q_, kv_ = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = iface.SparseMLA.apply(q_, kv_, idx, SCALE, ops)
+        out.backward(dout)
+        res[name] = (out.detach(), q_.grad, kv_.grad)
+    errs = [rel(a, b) for a, b in zip(res["ours"], res["ref"])]
+    good = all(e < 1e-2 for e in errs)
+    emit("check_iface_ours", heads=heads, lengths="+".join(map(str, lengths)), out_rel=errs[0], dq_rel=errs[1],
+         dkv_rel=errs[2], passed=good)
+    return good
+
+
+# ---------------------------------------------------------------------------------------------- sparse
+def bench_sparse(seqs, heads_list, variants, reps):
+    fwd_mod, bwd_mod = upstream_mods()
+    for s in seqs:
+        for heads in heads_list:
+            gen = torch.Generator(device="cuda").manual_seed(s + heads)
+            q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
+            kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
+            idx = causal_topk([s], TOPK, gen)
+            dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
+            useful = sum(min(t + 1, TOPK) for t in range(s)) / (s * TOPK)
+            f_fl, b_fl = 2 * s * heads * TOPK * 1088, 2 * s * heads * TOPK * 2752
+            base = dict(S=s, H=heads, topk=TOPK, useful=round(useful, 4), fwd_gflop=f_fl / 1e9, bwd_gflop=b_fl / 1e9)
+
+            def row(impl, fwd_ms=None, fwd_sp=None, bwd_ms=None, bwd_sp=None, **extra):
+                r = dict(impl=impl, **base, **extra)
+                if fwd_ms is not None:
+                    r.update(fwd_ms=round(fwd_ms, 3), fwd_spread_ms=round(fwd_sp, 3),
+                             fwd_tflops=round(f_fl / fwd_ms / 1e9, 1),
+                             fwd_useful_tflops=round(useful * f_fl / fwd_ms / 1e9, 1))
+                if bwd_ms is not None:
+                    r.update(bwd_ms=round(bwd_ms, 3), bwd_spread_ms=round(bwd_sp, 3),
+                             bwd_tflops=round(b_fl / bwd_ms / 1e9, 1),
+                             bwd_useful_tflops=round(useful * b_fl / bwd_ms / 1e9, 1))
+                emit("sparse_mla", **r)
+
+            # upstream, direct (4-D layout, its own padding): fwd, then bwd from its lse
+            q4, kv4, idx4 = q.view(1, s, heads, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, TOPK)
+            uf = lambda: fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=SCALE, d_v=512)  # noqa: E731
+            tf, sf = median_ms(uf, reps)
+            o_up, lse_up = uf()
+
+            def ub():
+                delta = bwd_mod.sparse_mla_delta(o_up, dout.view(1, s, heads, 512))
+                return bwd_mod.sparse_mla_bwd(q4, kv4, None, dout.view(1, s, heads, 512), idx4, lse_up,
+                                              sm_scale=SCALE, delta=delta)
+
+            tb, sb = median_ms(ub, max(3, reps // 2))
+            row("upstream", tf, sf, tb, sb)
+
+            # ours: raw kernel calls (fwd variants; bwd = ours_ops' bwd)
+            lse_ours = None
+            for v in variants:
+                if v.startswith("ws") and heads % 64:
+                    continue
+                try:
+                    of = lambda v=v: ours_fwd.fwd(q, kv, idx, SCALE, variant=v)  # noqa: E731
+                    tf, sf = median_ms(of, reps)
+                    o_ours, lse_ours = of()
+                    row(f"ours_{v}", tf, sf, out_vs_upstream=rel(o_ours, o_up[0]))
+                except Exception as e:  # noqa: BLE001
+                    print(f"ours_{v} S={s} H={heads}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            ops = iface.ours_ops()
+            if ops.bwd_is_ours and lse_ours is not None:
+                ob = lambda: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512), idx4,  # noqa: E731
+                                     lse_ours.view(1, s, heads), SCALE)
+                tb, sb = median_ms(ob, max(3, reps // 2))
+                row("ours_bwd", bwd_ms=tb, bwd_sp=sb)
+
+            # the autograd path the model runs (default ops), fwd and fwd+bwd
+            qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+
+            def iff():
+                with torch.no_grad():
+                    iface.sparse_mla(qg, kvg, idx, SCALE)
+
+            def ifb():
+                qg.grad = kvg.grad = None
+                iface.sparse_mla(qg, kvg, idx, SCALE).backward(dout)
+
+            for kern in ("upstream", "ours"):
+                os.environ[iface.KERNELS_ENV] = kern
+                try:
+                    tf, sf = median_ms(iff, reps)
+                    tfb, sfb = median_ms(ifb, max(3, reps // 2))
+                    row(f"iface[{kern}]", tf, sf, tfb - tf, sfb,
+                        fwd_variant=iface.OURS_FWD_VARIANT if kern == "ours" else "upstream")
+                except Exception as e:  # noqa: BLE001
+                    print(f"iface[{kern}] S={s} H={heads}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                finally:
+                    os.environ.pop(iface.KERNELS_ENV, None)
+
+            # torch reference math in bf16 (gather + einsum), fwd only, chunked
+            if heads == 64 and s <= 8192:
+                def tref():
+                    with torch.no_grad():
+                        for r0 in range(0, s, 512):
+                            i = idx[r0:r0 + 512].long()
+                            keys = kv[i.clamp(min=0)]
+                            sc = torch.einsum("thd,tkd->thk", q[r0:r0 + 512], keys).float() * SCALE
+                            sc = sc.masked_fill((i < 0)[:, None], float("-inf")).softmax(-1)
+                            torch.einsum("thk,tkc->thc", sc.bfloat16(), keys[..., :512])
+
+                tf, sf = median_ms(tref, 3, warmup=1)
+                row("torch_bf16_chunked", tf, sf)
+            del q, kv, idx, dout, qg, kvg
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------- indexer
+def bench_indexer(seqs, heads=32, dim=128, reps=5):
+    from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import indexer_fwd_interface
+
+    for s in seqs:
+        gen = torch.Generator(device="cuda").manual_seed(s)
+        iq = torch.randn(s, heads, dim, device="cuda", generator=gen).bfloat16()
+        ik = torch.randn(s, dim, device="cuda", generator=gen).bfloat16()
+        w = torch.randn(s, heads, device="cuda", generator=gen) * (heads ** -0.5 * dim ** -0.5)
+        ks = torch.zeros(s, dtype=torch.int32, device="cuda")
+        ke = torch.arange(1, s + 1, dtype=torch.int32, device="cuda")
+
+        def up():
+            logits = indexer_fwd_interface(iq, ik, w, ks, ke)
+            return logits.topk(TOPK, dim=-1, sorted=False)
+
+        def tref():  # attention/topk.select_topk's math: 2048-row chunks of fp32 [rows, S] scores
+            out = torch.empty(s, TOPK, dtype=torch.int64, device="cuda")
+            keys = torch.arange(s, device="cuda")
+            for r0 in range(0, s, 2048):
+                r1 = min(r0 + 2048, s)
+                sc = torch.einsum("rhd,sd->rhs", iq[r0:r1].float(), ik.float()).relu_()
+                sc = torch.einsum("rhs,rh->rs", sc, w[r0:r1])
+                sc = sc.masked_fill(keys[None] > keys[r0:r1, None], float("-inf"))
+                out[r0:r1] = sc.topk(TOPK, dim=-1).indices
+            return out
+
+        for name, fn, n in (("upstream_tilelang+torch.topk", up, reps), ("torch_chunked", tref, 2)):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                t, sp = median_ms(fn, n, warmup=1)
+            except torch.OutOfMemoryError:
+                emit("indexer", impl=name, S=s, error="out of memory")
+                continue
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            emit("indexer", impl=name, S=s, heads=heads, dim=dim, topk=TOPK, ms=round(t, 3), spread_ms=round(sp, 3),
+                 peak_extra_gib=round(peak, 3), score_gflop=2 * s * s / 2 * heads * dim / 1e9)
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def bench_compile(heads=64, n=20):
+    """Kernel builds and per-call wall time over n random packed lengths (warm-up = first call)."""
+    fwd_mod, bwd_mod = upstream_mods()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
+    for impl in ("ours_fwd", "upstream_fwd", "upstream_bwd"):
+        builds0 = ours_fwd.get_kernel.cache_info().misses
+        up0 = len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
+        times = []
+        t_all = time.time()
+        for s in lengths:
+            q = torch.randn(s, heads, 576, device="cuda").bfloat16()
+            kv = torch.randn(s, 576, device="cuda").bfloat16()
+            idx = causal_topk([s], TOPK, gen)
+            torch.cuda.synchronize()
+            t0 = time.time()
+            if impl == "ours_fwd":
+                ours_fwd.fwd(q, kv, idx, SCALE)
+            elif impl == "upstream_fwd":
+                fwd_mod.sparse_mla_fwd_interface(q[None], kv[None, :, None], idx[None, :, None], sm_scale=SCALE, d_v=512)
+            else:
+                o, lse = fwd_mod.sparse_mla_fwd_interface(q[None], kv[None, :, None], idx[None, :, None],
+                                                          sm_scale=SCALE, d_v=512)
+                bwd_mod.sparse_mla_bwd(q[None], kv[None, :, None], o, torch.randn_like(o), idx[None, :, None], lse,
+                                       sm_scale=SCALE)
+            torch.cuda.synchronize()
+            times.append(time.time() - t0)
+        builds = ours_fwd.get_kernel.cache_info().misses - builds0
+        ups = len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache) - up0
+        emit("compile", impl=impl, lengths=lengths, kernel_builds=builds if impl == "ours_fwd" else ups,
+             first_call_s=round(times[0], 2), later_max_s=round(max(times[1:]), 3),
+             later_median_s=round(statistics.median(times[1:]), 4), total_s=round(time.time() - t_all, 1))
+
+
+# ---------------------------------------------------------------------------------------------- dense
+def bench_dense(seqs, heads=64, dim=256, reps=10):
+    import torch.nn.functional as F
+
+    for s in seqs:
+        q, k, v = (torch.randn(1, heads, s, dim, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        do = torch.randn(1, heads, s, dim, device="cuda", dtype=torch.bfloat16)
+
+        def f():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fb():
+            q.grad = k.grad = v.grad = None
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+
+        tf, sf = median_ms(f, reps)
+        tfb, sfb = median_ms(fb, reps)
+        fl = 2 * s * s * heads * dim  # causal half of 4·S²·H·D
+        emit("dense_sdpa", S=s, H=heads, D=dim, fwd_ms=round(tf, 3), bwd_ms=round(tfb - tf, 3), fwd_bwd_ms=round(tfb, 3),
+             fwd_tflops=round(fl / tf / 1e9, 1), bwd_tflops=round(2.5 * fl / (tfb - tf) / 1e9, 1), spread_ms=round(sfb, 3))
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
+def main():
+    global OUT_PATH
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="check,sparse,indexer,compile,dense")
+    ap.add_argument("--seqs", default="4096,8192,16384")
+    ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--variants", default="simple,ws,ws_async")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
+    a = ap.parse_args()
+    OUT_PATH = a.out
+    parts = a.parts.split(",")
+    variants = a.variants.split(",")
+    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if "check" in parts:
+        ok = check_fwd(variants)
+        print("forward checks passed" if ok else "FORWARD CHECK FAILED", flush=True)
+        try:
+            check_bwd_ours()
+        except Exception as e:  # noqa: BLE001
+            print(f"iface ours check failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    if "sparse" in parts:
+        bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], variants, a.reps)
+    if "indexer" in parts:
+        bench_indexer([8192, 32768])
+    if "compile" in parts:
+        bench_compile()
+    if "dense" in parts:
+        bench_dense([int(x) for x in a.seqs.split(",")])
+    print("\n== summary ==")
+    for r in ROWS:
+        print(json.dumps({k: v for k, v in r.items() if k != "lengths"}))
+
+
+if __name__ == "__main__":
+    main()

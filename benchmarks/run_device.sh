@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# On the device machine (H200), after the two wheel installs of docs/kernels.md:
+#   export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/run_device.sh [bench_dsa.py args...]
+# 1. builds every kernel the benchmark uses, one process each, in parallel (TileLang's disk cache
+#    then serves the benchmark), 2. runs benchmarks/bench_dsa.py. Logs and JSON go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/bench_dsa}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv | tee "$out/gpu.txt"
+start=$(date +%s)
+pre='import sys, types; p = types.ModuleType("glm5_bridge"); p.__path__ = ["glm5_bridge"]; sys.modules["glm5_bridge"] = p
+from glm5_bridge.kernels import sparse_mla_fwd as F, sparse_mla as S
+from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as uf, tilelang_sparse_mla_bwd as ub
+from megatron.core.transformer.experimental_attention_variant.ops import tilelang_indexer_fwd as ui'
+jobs=(
+  "F.get_kernel('ws', 64, 2048, 1/16)"
+  "F.get_kernel('ws_async', 64, 2048, 1/16)"
+  "F.get_kernel('ws', 128, 2048, 1/16); F.get_kernel('simple', 128, 2048, 1/16)"
+  "F.get_kernel('simple', 64, 2048, 1/16)"
+  "F.get_kernel('simple', 16, 2048, 1/16)"
+  "S.compile_kernels(64, 2048, 1/16, parts=('fwd',))"
+  "S.compile_kernels(64, 2048, 1/16, parts=('bwd',))"
+  "S.compile_kernels(16, 2048, 1/16, parts=('fwd',))"
+  "S.compile_kernels(16, 2048, 1/16, parts=('bwd',))"
+  "S.compile_kernels(64, 2048, 1/16, parts=('delta',)); S.compile_kernels(16, 2048, 1/16, parts=('delta', 'post'))"
+  "ui._get_indexer_fwd_kernel(32, 128); ui._get_clean_logits_kernel()"
+)
+pids=()
+i=0
+for job in "${jobs[@]}"; do
+  i=$((i + 1))
+  timeout 300 python3 -c "$pre
+$job" > "$out/compile_$i.log" 2>&1 &
+  pids+=($!)
+done
+i=0
+for pid in "${pids[@]}"; do
+  i=$((i + 1))
+  if wait "$pid"; then echo "compile $i ok: ${jobs[$((i - 1))]}"; else echo "compile $i FAILED: ${jobs[$((i - 1))]}"; tail -25 "$out/compile_$i.log"; fi
+done > "$out/compile.txt"; cat "$out/compile.txt"
+echo "compile: $(( $(date +%s) - start )) s" | tee -a "$out/compile.txt"
+timeout 420 python3 benchmarks/bench_dsa.py --out "$out/bench_dsa.json" "$@" 2>&1 | tee "$out/bench.log"
