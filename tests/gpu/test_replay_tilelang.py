@@ -1,5 +1,9 @@
 """R3 replay with the fused TileLang backend on the GPU: record → (perturbed indexers) → replay
-gives the recorded logits exactly; computing with the perturbed indexers does not."""
+gives the recorded logits back; computing with the perturbed indexers does not.
+
+Not bit-exact on the GPU: the MoE's CUDA scatter-adds are not deterministic, and a last-bit change
+of an fp32 activation can flip a bf16 rounding of the kernel's inputs. So the replayed logits are
+compared with a repeat of the recorded forward (that run-to-run spread), not with zero."""
 
 import pytest
 import torch
@@ -35,6 +39,7 @@ def test_record_replay_with_fused_backend(checkpoint):
     with IndexerReplay.recording() as rec:
         recorded = forward()
     requests = rec.requests()
+    spread = (forward() - recorded).abs().max().item()  # same weights, same top-k: run-to-run noise
     for layer in model.decoder.layers:  # the indexers would now pick other keys
         indexer = layer.self_attention.core_attention.indexer
         if indexer is not None:
@@ -42,5 +47,8 @@ def test_record_replay_with_fused_backend(checkpoint):
     computed = forward()
     with IndexerReplay.replaying(requests):
         replayed = forward()
-    assert (computed - recorded).abs().max().item() > 1e-3
-    assert torch.equal(replayed, recorded)
+    changed = (computed - recorded).abs().max().item()
+    replay_gap = (replayed - recorded).abs().max().item()
+    print(f"RESULT replay_tilelang spread={spread:.3e} replay_gap={replay_gap:.3e} perturbed_gap={changed:.3e}")
+    assert changed > 0.05
+    assert replay_gap <= max(4 * spread, 5e-3) < changed / 10
