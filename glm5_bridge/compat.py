@@ -188,9 +188,75 @@ def _peft_te_flags() -> None:
     module_matcher.HAVE_TE = False
 
 
+# --- 7. megatron-core copies the pipeline's duplicated embedding with `.cuda()` ------------------
+# With pipeline parallelism and an MTP layer (or tied embeddings), the last stage keeps a copy of
+# the word embeddings; `LanguageModule.setup_embeddings_and_output_layer` moves it with
+# `weight.data.cuda()` before the all-reduce that initialises it from the first stage, which raises
+# without a GPU. On a machine with no CUDA device, `.cuda()` leaves the tensor where it is for the
+# duration of that one method; with a GPU nothing changes.
+
+
+def _pipeline_embedding_without_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_glm5_cpu", False):
+        return
+
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        to_cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = to_cuda
+
+    setup_embeddings_and_output_layer._glm5_cpu = True
+    setup_embeddings_and_output_layer.__wrapped__ = original
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# --- 8. megatron-core's pipeline schedules count tokens in a `device="cuda"` tensor ----------------
+# `forward_backward_no_pipelining` and both pipelined schedules start with
+# `torch.zeros([], dtype=torch.int, device="cuda")`. On a machine with no CUDA device, the
+# schedules module sees a `torch` whose `zeros` puts "cuda" tensors on the CPU (everything else is
+# torch itself); other modules are untouched. With a GPU nothing changes.
+
+
+class _TorchWithCpuZeros(types.ModuleType):
+    def __init__(self, torch_module):
+        super().__init__("torch")
+        self._torch = torch_module
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def zeros(self, *args, device=None, **kwargs):
+        if device == "cuda" or (isinstance(device, self._torch.device) and device.type == "cuda"):
+            device = "cpu"
+        return self._torch.zeros(*args, device=device, **kwargs)
+
+
+def _pipeline_schedules_without_cuda() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _TorchWithCpuZeros):
+        schedules.torch = _TorchWithCpuZeros(torch)
+
+
 def install() -> None:
     _absorbed_mla_duplicated_linear()
     _current_device_on_cpu_machines()
     _import_bridge_without_te()
     _provider_mtp_spec_hook()
     _peft_te_flags()
+    _pipeline_embedding_without_cuda()
+    _pipeline_schedules_without_cuda()

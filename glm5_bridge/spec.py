@@ -17,7 +17,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend, get_mlp_module_spec_for_backend
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -89,12 +89,33 @@ def local_layer_ids(config, vp_stage=None, pp_rank=None) -> list[int]:
     return list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
 
 
+def pipeline_stage_starts(config) -> list[int]:
+    """The first decoder layer of every pipeline stage (virtual stages included) that has layers,
+    from the config alone: the same list on every rank."""
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:  # megatron's offset helpers ignore pp_rank for a layout
+        starts, offset = [], 0
+        for vp in range(layout.virtual_pipeline_model_parallel_size):
+            for pp in range(layout.pipeline_model_parallel_size):
+                n = layout.layout[pp][vp].count(LayerType.decoder)
+                if n:
+                    starts.append(offset)
+                offset += n
+        return starts
+    vp_size = config.virtual_pipeline_model_parallel_size
+    return [ids[0] for vp in (range(vp_size) if vp_size else [None])
+            for pp in range(config.pipeline_model_parallel_size) if (ids := local_layer_ids(config, vp, pp))]
+
+
 def glm5_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
-    """The decoder block spec for this pipeline stage (the provider's `transformer_layer_spec`)."""
+    """The decoder block spec for this pipeline stage (the provider's `transformer_layer_spec`).
+
+    Every stage's start is checked on every rank, so a split on a "shared" layer fails on all ranks
+    at build time (checking only the local stage lets the valid stages go on into the first
+    collective and wait there for the rank that failed)."""
     backend = GLM5SpecProvider()
+    check_stage_starts(config.dsa_indexer_types, pipeline_stage_starts(config))
     layer_ids = local_layer_ids(config, vp_stage, pp_rank)
-    if layer_ids:
-        check_stage_starts(config.dsa_indexer_types, layer_ids[:1])
     moe_pattern = config.moe_layer_freq
     specs = [layer_spec(config, backend, moe=bool(moe_pattern[i])) for i in layer_ids]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=backend.layer_norm(rms_norm=True))

@@ -59,3 +59,21 @@ def test_why_we_have_our_own_spec_and_norm():
 
     assert 'transformer_impl == "transformer_engine"' in inspect.getsource(upstream_spec._get_backend_spec_provider)
     assert "not config.sequence_parallel" in inspect.getsource(WrappedTorchNorm.__new__)
+
+
+def test_7_language_module_still_moves_the_pipeline_embedding_with_cuda():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer.__wrapped__
+    assert "weight.data = weight.data.cuda()" in inspect.getsource(original)
+
+
+def test_8_pipeline_schedules_still_count_tokens_on_cuda():
+    from megatron.core.pipeline_parallel import schedules
+
+    for schedule in (schedules.forward_backward_no_pipelining,
+                     schedules.forward_backward_pipelining_without_interleaving,
+                     schedules.forward_backward_pipelining_with_interleaving):
+        assert 'torch.zeros([], dtype=torch.int, device="cuda")' in inspect.getsource(schedule), schedule.__name__
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert schedules.torch.ones is torch.ones  # everything else is torch itself
