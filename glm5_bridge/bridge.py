@@ -176,7 +176,13 @@ class AutoBridge(MegatronAutoBridge):
 def build_megatron_model(path, load_weights: bool = True, **provider_overrides):
     """(bridge, model chunk) for an HF checkpoint folder or preset, through the standard
     megatron-bridge calls; `provider_overrides` set provider fields first (e.g.
-    `dsa_attention_backend="tilelang"`, `tensor_model_parallel_size=2`)."""
+    `dsa_attention_backend="tilelang"`, `tensor_model_parallel_size=2`). A checkpoint folder is
+    checked first (validate.py: config.json and safetensors headers against each other), so a bad
+    one fails with one line naming the file and tensor instead of deep in the weight loading."""
+    if str(path) not in cfg.PRESETS:
+        from glm5_bridge.validate import validate_checkpoint
+
+        validate_checkpoint(path, weights=load_weights)
     bridge = AutoBridge.from_hf_pretrained(str(path))
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     for key, value in provider_overrides.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,12 +36,26 @@ def _make_tiny(args):
 
 
 def _train(args):
-    from glm5_bridge.train.recipe import load_recipe, to_yaml
+    from glm5_bridge.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     out = Path(recipe.train.output_dir)
+    fresh = not out.exists()
+    try:
+        _run_recipe(recipe, out)
+    except BaseException:
+        # A run that fails before its first checkpoint (bad data, bad checkpoint, ...) leaves nothing.
+        if fresh and not (out / "checkpoints" / "latest").exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run_recipe(recipe, out: Path):
+    from glm5_bridge.convert import atomic_write_text
+    from glm5_bridge.train.recipe import to_yaml
+
     out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
+    atomic_write_text(out / "recipe.yaml", to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
     if recipe.task == "sft":
         from glm5_bridge.train.sft import train_sft
 
@@ -64,6 +79,8 @@ def _export(args):
     from glm5_bridge.train.recipe import load_recipe
 
     run = Path(args.run)
+    if Path(args.dst).exists() and not args.overwrite:  # before the (long) model build
+        raise FileExistsError(f"{args.dst}: already exists (pass --overwrite to replace it)")
     recipe = load_recipe(run / "recipe.yaml")
     saved = checkpoint.load_latest(run / "checkpoints")
     if saved is None:
@@ -174,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Bad input: one line on stderr and exit status 2, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotImplementedError)
+# Bad input, or the OS refusing (disk full, permissions): one line on stderr and exit status 2, no
+# traceback. OSError covers FileNotFoundError and FileExistsError.
+USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
 def main(argv=None) -> int:

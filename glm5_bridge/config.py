@@ -27,12 +27,16 @@ def load_hf_config(path_or_preset: str | Path):
 
     if str(path_or_preset) in PRESETS:
         return GlmMoeDsaConfig(**load_preset_dict(str(path_or_preset)))
+    from glm5_bridge.validate import read_config
+
     path = Path(path_or_preset)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint folder (and not a preset: {', '.join(PRESETS)})")
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json (and {str(path_or_preset)!r} is not a preset)")
-    return GlmMoeDsaConfig(**json.loads(path.read_text()))
+    return GlmMoeDsaConfig(**read_config(path))  # read_config: one-line errors for a non-GLM-5 config
 
 
 def _get(hf_config: Any, key: str, default=None):

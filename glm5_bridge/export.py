@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
+from glm5_bridge.convert import remove_abandoned
 from glm5_bridge.lora import lora_parameters
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -91,11 +92,13 @@ def _atomic_export(bridge, out_dir, overwrite: bool, write) -> Path:
     error = _from_rank0(_check_target(bridge, out, overwrite) if _rank() == 0 else None)
     if error is not None:
         raise FileExistsError(error)
-    tmp = Path(_from_rank0(str(out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")))
+    # pid of the writing rank in the name: a later export removes what a killed one left (remove_abandoned)
+    tmp = Path(_from_rank0(str(out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")))
     failed = None
     try:
         if _rank() == 0:
             out.parent.mkdir(parents=True, exist_ok=True)
+            remove_abandoned(out.parent, out.name)
             tmp.mkdir()
         write(tmp)
     except BaseException as exc:  # clean up, then re-raise below
@@ -111,7 +114,7 @@ def _atomic_export(bridge, out_dir, overwrite: bool, write) -> Path:
         _fsync_tree(tmp)
         old = None
         if out.exists():  # overwrite=True: move the old one aside, swap, then delete it
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.replace(out, old)
         os.replace(tmp, out)
         _fsync_dir(out.parent)

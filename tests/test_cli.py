@@ -23,7 +23,9 @@ def test_convert_hf_megatron_hf_round_trip(tiny_checkpoint, tmp_path):
 
 def test_convert_refuses_existing_target(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
-    assert main(["convert", str(tiny_checkpoint("GLM-5")), str(tmp_path / "taken")]) == 2
+    source = tiny_checkpoint("GLM-5")
+    capsys.readouterr()  # making the checkpoint may print progress bars
+    assert main(["convert", str(source), str(tmp_path / "taken")]) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and str(tmp_path / "taken") in err and "\n" not in err
     assert list((tmp_path / "taken").iterdir()) == []

@@ -99,3 +99,41 @@ def test_colocated_loop_replay_on_and_off(tiny_checkpoint, tmp_path):
         gaps[replay] = max(h["logprob_abs_diff_max"] for h in history)
     assert gaps[True] < 1e-4
     assert gaps[False] > 100 * gaps[True]
+
+
+def test_moe_routing_replay_restores_the_rollout_experts(tiny_checkpoint, rollout_file, tmp_path):
+    """Record each token's experts, move every router's bias so it would route elsewhere, then
+    replay the recorded experts from an sglang-style `routed_experts` payload: the logprobs come
+    back; computing the routing does not."""
+    from glm5_bridge.routing_replay import encode_routed_experts, recording_routes
+    from glm5_bridge.testing import load_megatron
+    from glm5_bridge.train.rl import load_rollouts, policy_logprobs, rollout_batch
+
+    _, model = load_megatron(tiny_checkpoint("GLM-5.2"), moe_enable_routing_replay=True)
+    model.eval()
+    samples = load_rollouts(rollout_file, model.vocab_size, model.config.dsa_indexer_topk)[:3]
+    batch = rollout_batch(samples, model.vocab_size)
+    with torch.no_grad(), recording_routes(model) as recorded:
+        reference = policy_logprobs(model, batch, replay=True)
+    routes = recorded[0]  # [T, moe layers, top-k]
+    rows, start = [], 0
+    for s in samples:
+        n = len(s.tokens)
+        rows.append({"tokens": s.tokens, "loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs,
+                     "advantage": 0.0, "meta_info": {"routed_experts": encode_routed_experts(routes[start:start + n - 1])}})
+        start += n
+    path = tmp_path / "routed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    replayed_samples = load_rollouts(path, model.vocab_size, model.config.dsa_indexer_topk, moe_topk=2)
+    replay_batch = rollout_batch(replayed_samples, model.vocab_size)
+    assert replay_batch.routes is not None and replay_batch.routes[0].shape[1] == 6  # 6 MoE layers
+
+    for name, router in model.named_modules():  # a different routing everywhere
+        if hasattr(router, "expert_bias") and router.expert_bias is not None:
+            router.expert_bias.add_(torch.linspace(-5, 5, router.expert_bias.numel()))
+    mask = batch.loss_mask[0]
+    with torch.no_grad():
+        computed = policy_logprobs(model, replay_batch, replay=False)
+        replayed = policy_logprobs(model, replay_batch, replay=True)
+    assert ((computed - reference).abs() * mask).max() > 1e-2
+    assert ((replayed - reference).abs() * mask).max() < 1e-5

@@ -1,18 +1,19 @@
 """Trainer checkpoints: the trainable (LoRA) parameters, optimizer and scheduler state, the step,
 the loss history and the RNG state — everything a resumed run needs to continue exactly where the
 uninterrupted one would be. Each checkpoint is written atomically (temp folder, fsync, rename),
-and `latest` is a small file naming the newest complete one.
+and `latest` is a small file naming the newest complete one (replaced atomically too). A run killed
+mid-save leaves a `.step_*.tmp-{pid}` folder that `latest` never names; `remove_abandoned` (called
+when a run starts) deletes it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from glm5_bridge.convert import atomic_output_dir
+from glm5_bridge.convert import atomic_output_dir, atomic_write_text, remove_abandoned, torch_load_error  # noqa: F401
 
 
 def save(folder: Path, step: int, params: dict, optimizer, scheduler, history: list[dict]) -> Path:
@@ -27,9 +28,7 @@ def save(folder: Path, step: int, params: dict, optimizer, scheduler, history: l
             "rng": torch.get_rng_state(),
         }, tmp / "state.pt")
         (tmp / "history.json").write_text(json.dumps(history))
-    latest_tmp = folder / f".latest.tmp-{os.getpid()}"
-    latest_tmp.write_text(target.name)
-    os.replace(latest_tmp, folder / "latest")
+    atomic_write_text(folder / "latest", target.name)
     return target
 
 
@@ -39,9 +38,15 @@ def load_latest(folder: Path) -> tuple[dict, list[dict]] | None:
     if not latest.is_file():
         return None
     target = Path(folder) / latest.read_text().strip()
-    # weights_only: a checkpoint is data; never unpickle arbitrary objects from disk.
-    state = torch.load(target / "state.pt", weights_only=True)
+    if not (target / "state.pt").is_file():
+        raise FileNotFoundError(f"{latest}: names {target.name}, which has no state.pt")
+    try:
+        # weights_only: a checkpoint is data; never unpickle arbitrary objects from disk.
+        state = torch.load(target / "state.pt", weights_only=True)
+    except Exception as e:  # a corrupt or foreign file: one line, not torch's traceback
+        raise ValueError(f"{target / 'state.pt'}: not a readable trainer checkpoint ({torch_load_error(e)})") from None
     return state, json.loads((target / "history.json").read_text())
+
 
 
 def restore(state: dict, params: dict, optimizer, scheduler) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from glm5_bridge.convert import atomic_write_text
 from glm5_bridge.data import arithmetic_problems
 from glm5_bridge.replay import RequestTopk
 from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
@@ -172,6 +173,6 @@ def colocated_rl(recipe: Recipe) -> dict:
         metrics.update(step=step + 1, reward=sum(float(r.reward) for r in rollouts) / len(rollouts))
         history.append(metrics)
         print(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}))
-    (out / "history.json").write_text(json.dumps(history, indent=1))
+    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
     plot_curves(history, ["reward", "logprob_abs_diff_mean", "kl_rollout_train"], out / "rl.png", "colocated LoRA RL")
     return {"history": history, "model": model, "bridge": bridge}

@@ -4,6 +4,7 @@ learning-rate schedule, the loss-curve plot."""
 from __future__ import annotations
 
 import math
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from glm5_bridge.train.recipe import Recipe
 
 
-def build_policy(recipe: Recipe):
+def build_policy(recipe: Recipe, **extra_overrides):
     """(bridge, model chunk with LoRA applied, trainable params) for the recipe's checkpoint."""
     from glm5_bridge.bridge import build_megatron_model
     from glm5_bridge.lora import GLM5LoRA, apply_lora, lora_parameters, lora_targets
@@ -24,6 +25,7 @@ def build_policy(recipe: Recipe):
                      expert_model_parallel_size=m.expert_model_parallel_size)
     if m.bf16:
         overrides.update(bf16=True, params_dtype=torch.bfloat16)
+    overrides.update(extra_overrides)
     torch.manual_seed(recipe.train.seed)  # LoRA A init
     bridge, model = build_megatron_model(m.checkpoint, **overrides)
     targets = lora_targets(mla=lo.mla, dense_mlp=lo.dense_mlp, shared_experts=lo.shared_experts, experts=lo.experts)
@@ -88,6 +90,12 @@ def plot_curves(history: list[dict], keys: list[str], path: Path, title: str) ->
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"  # atomic: a reader never sees half a PNG
+    try:
+        fig.savefig(tmp, dpi=110, format=path.suffix.lstrip(".") or "png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

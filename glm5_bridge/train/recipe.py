@@ -94,23 +94,44 @@ class Recipe:
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:
     """The recipe at `path` (YAML) with dotted `overrides` ("train.steps=20") applied, validated."""
     schema = OmegaConf.structured(Recipe)
+    merged, where = schema, ""
     try:
-        layers = [schema]
         if path is not None:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{path}: recipe file not found")
-            layers.append(OmegaConf.load(path))
-        layers.append(OmegaConf.from_dotlist(list(overrides or [])))
-        merged = OmegaConf.merge(*layers)
+            where = f"{path}: "
+            merged = OmegaConf.merge(schema, _load_yaml(path, schema))
+        for item in overrides or []:  # one at a time, so an error names the override it came from
+            where = f"override {item}: "
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
     except (ConfigKeyError, ValidationError) as e:
-        where = f"{path}: " if path else ""
-        raise ValueError(f"{where}{e.msg.splitlines()[0]} (key: {e.full_key})") from None
+        key = f" (key: {e.full_key})" if e.full_key else ""
+        raise ValueError(f"{where}{(e.msg or str(e)).splitlines()[0]}{key}") from None
     recipe: Recipe = OmegaConf.to_object(merged)
     if recipe.task not in ("sft", "rl"):
         raise ValueError(f"task must be sft or rl, got {recipe.task!r}")
     if recipe.export.kind not in ("merged", "adapter", "none"):
         raise ValueError(f"export.kind must be merged, adapter or none, got {recipe.export.kind!r}")
     return recipe
+
+
+def _load_yaml(path, schema):
+    """The YAML file as an OmegaConf mapping; a syntax error or a section given a plain value is
+    one line naming the file (and the key)."""
+    import yaml
+    from omegaconf import DictConfig
+
+    try:
+        loaded = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(loaded, DictConfig):
+        raise ValueError(f"{path}: expected a mapping of sections ({', '.join(schema.keys())}), "
+                         f"got a {type(loaded).__name__}")
+    for key, value in loaded.items_ex(resolve=False):
+        if isinstance(schema.get(key), DictConfig) and not isinstance(value, DictConfig):
+            raise ValueError(f"{path}: {key} must be a section (a mapping), got {value!r} (key: {key})")
+    return loaded
 
 
 def to_yaml(recipe: Recipe) -> str:

@@ -6,8 +6,9 @@ Rollout jsonl, one sample per line:
     rollout_logprobs  log p_rollout(tokens[t] | tokens[:t]) per position (prompt entries ignored)
     advantage         per sample; or `reward` (+ optional `group`): advantages are then the rewards
                       normalised within each group (GRPO), all samples being one group by default
-    meta_info         optional sglang meta_info with `indexer_topk` (+ `indexer_topk_num_layers`):
-                      replayed in training when `rl.replay` is on (glm5_bridge/replay.py)
+    meta_info         optional sglang meta_info with `indexer_topk` (+ `indexer_topk_num_layers`) and/or
+                      `routed_experts`: replayed in training when `rl.replay` is on
+                      (glm5_bridge/replay.py, glm5_bridge/routing_replay.py)
 
 Loss per response token: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), ρ = exp(log p_θ − log p_rollout), plus
 `kl_coef`·KL(π_θ ‖ π_ref) (k3 estimator) where the reference is the base model (adapters off).
@@ -19,22 +20,26 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from glm5_bridge.config import load_hf_config
+from glm5_bridge.convert import atomic_write_text
 from glm5_bridge.data import pack, read_jsonl
 from glm5_bridge.replay import IndexerReplay, RequestTopk
+from glm5_bridge.routing_replay import decode_routed_experts, replaying_routes
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import adapters_off, build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
 from glm5_bridge.train.recipe import Recipe
+from glm5_bridge.validate import validate_checkpoint
 
 
 class Rollout:
     """One sample of a rollout file, validated."""
 
-    def __init__(self, row: dict, where: str, vocab_size: int, index_topk: int):
+    def __init__(self, row: dict, where: str, vocab_size: int, index_topk: int, moe_topk: int = 0):
         for key in ("tokens", "loss_mask", "rollout_logprobs"):
             if key not in row:
                 raise ValueError(f"{where}: missing key {key!r}")
@@ -58,13 +63,20 @@ class Rollout:
         meta = row.get("meta_info") or {}
         self.topk = (RequestTopk.from_sglang(meta, index_topk=index_topk, sample_id=where)
                      if meta.get("indexer_topk") else None)
+        self.routes = (decode_routed_experts(meta, n, moe_topk, where)
+                       if meta.get("routed_experts") and moe_topk else None)
 
 
-def load_rollouts(path, vocab_size: int, index_topk: int, limit: int = 0) -> list[Rollout]:
+def load_rollouts(path, vocab_size: int, index_topk: int, limit: int = 0, moe_topk: int = 0) -> list[Rollout]:
     rows = read_jsonl(path)[: limit or None]
     if not rows:
         raise ValueError(f"{path}: no rollouts")
-    samples = [Rollout(r, f"{path}:{i + 1}", vocab_size, index_topk) for i, r in enumerate(rows)]
+    samples = []
+    for i, row in enumerate(rows):
+        try:
+            samples.append(Rollout(row, f"{path}:{i + 1}", vocab_size, index_topk, moe_topk))
+        except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong kind
+            raise ValueError(f"{path}:{i + 1}: malformed rollout ({type(e).__name__}: {e})") from None
     _fill_advantages(samples)
     return samples
 
@@ -93,13 +105,19 @@ def rollout_batch(samples: list[Rollout], vocab_size: int):
     batch.rollout_logprobs = torch.tensor(old).unsqueeze(0)
     batch.advantages = torch.tensor(adv).unsqueeze(0)
     batch.replay = [s.topk for s in samples] if all(s.topk is not None for s in samples) else None
+    batch.routes = [s.routes for s in samples] if all(s.routes is not None for s in samples) else None
     return batch
 
 
 def policy_logprobs(model, batch, replay: bool) -> torch.Tensor:
-    """[T] log-probs of the labels; with `replay`, under the rollout's indexer top-k."""
-    ctx = IndexerReplay.replaying(batch.replay) if (replay and batch.replay is not None) else nullcontext()
-    with ctx:
+    """[T] log-probs of the labels; with `replay`, under the rollout's indexer top-k and expert
+    routing (whichever the rollouts carry)."""
+    with ExitStack() as stack:
+        if replay and batch.replay is not None:
+            stack.enter_context(IndexerReplay.replaying(batch.replay))
+        if replay and getattr(batch, "routes", None) is not None:
+            c = model.config
+            stack.enter_context(replaying_routes(model, batch.routes, c.num_moe_experts, c.moe_layer_freq.index(1)))
         return token_logprobs(model, batch)
 
 
@@ -145,19 +163,25 @@ def rl_step(model, params, optimizer, scheduler, batch, recipe: Recipe) -> dict:
     grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), recipe.train.grad_clip)
     optimizer.step()
     scheduler.step()
-    metrics.update(loss=loss.item(), grad_norm=float(grad_norm), replay=bool(rl.replay and batch.replay is not None))
+    metrics.update(loss=loss.item(), grad_norm=float(grad_norm), replay=bool(rl.replay and batch.replay is not None),
+                   routing_replay=bool(rl.replay and getattr(batch, "routes", None) is not None))
     return metrics
 
 
 def train_rl(recipe: Recipe) -> dict:
     """RL on a rollout file (recipe.data.train): micro-batches of whole samples up to
     data.max_tokens, one optimizer step each, cycling through the file."""
+    # Inputs first (cheap, one-line errors), then the model, then the output folder.
+    validate_checkpoint(recipe.model.checkpoint)
+    hf = load_hf_config(recipe.model.checkpoint)
+    samples = load_rollouts(recipe.data.train, hf.vocab_size, hf.index_topk, recipe.data.limit,
+                            hf.num_experts_per_tok)
+    groups = _micro_batches(samples, recipe.data.max_tokens)
+    routes = recipe.rl.replay and all(s.routes is not None for s in samples)
+    bridge, model, params = build_policy(recipe, **({"moe_enable_routing_replay": True} if routes else {}))
+    optimizer, scheduler = optimizer_and_schedule(params, recipe)
     out = Path(recipe.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    bridge, model, params = build_policy(recipe)
-    samples = load_rollouts(recipe.data.train, model.vocab_size, model.config.dsa_indexer_topk, recipe.data.limit)
-    groups = _micro_batches(samples, recipe.data.max_tokens)
-    optimizer, scheduler = optimizer_and_schedule(params, recipe)
     model.train()
     history = []
     for step in range(recipe.train.steps):
@@ -169,7 +193,7 @@ def train_rl(recipe: Recipe) -> dict:
         print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}))
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0:
             checkpoint.save(out / "checkpoints", step + 1, params, optimizer, scheduler, history)
-    (out / "history.json").write_text(json.dumps(history, indent=1))
+    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
     plot_curves(history, ["loss", "logprob_abs_diff_mean", "kl_rollout_train"], out / "rl.png", "LoRA RL")
     return {"history": history, "model": model, "bridge": bridge}
 

@@ -14,10 +14,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from glm5_bridge.config import load_hf_config
+from glm5_bridge.convert import atomic_write_text
 from glm5_bridge.data import packed_batches, read_jsonl, tokenize_chat
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
 from glm5_bridge.train.recipe import Recipe
+from glm5_bridge.validate import validate_checkpoint
 
 
 class BatchSchedule:
@@ -39,6 +42,8 @@ class BatchSchedule:
 
 
 def load_sft_data(recipe: Recipe, tokenizer, vocab_size: int) -> BatchSchedule:
+    """Every sample tokenized and checked (assistant turn present, ids inside the vocabulary, length
+    within data.max_tokens) before training starts; errors name the file and line."""
     rows = read_jsonl(recipe.data.train)
     if recipe.data.limit:
         rows = rows[: recipe.data.limit]
@@ -46,12 +51,20 @@ def load_sft_data(recipe: Recipe, tokenizer, vocab_size: int) -> BatchSchedule:
         raise ValueError(f"{recipe.data.train}: no samples")
     tokenized = []
     for i, row in enumerate(rows):
-        if "messages" not in row:
+        if not isinstance(row, dict) or "messages" not in row:
             raise ValueError(f"{recipe.data.train}: line {i + 1} has no 'messages' key")
         try:
-            tokenized.append(tokenize_chat(tokenizer, row["messages"]))
-        except ValueError as e:
+            ids, mask = tokenize_chat(tokenizer, row["messages"])
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"{recipe.data.train}: line {i + 1}: {e}") from None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{recipe.data.train}: line {i + 1}: token id {bad[0]} is outside the vocabulary "
+                             f"(size {vocab_size}; does the tokenizer belong to the checkpoint?)")
+        if len(ids) > recipe.data.max_tokens:
+            raise ValueError(f"{recipe.data.train}: line {i + 1} has {len(ids)} tokens, more than "
+                             f"data.max_tokens={recipe.data.max_tokens}")
+        tokenized.append((ids, mask))
     return BatchSchedule(tokenized, recipe.data.max_tokens, vocab_size, recipe.data.seed)
 
 
@@ -69,14 +82,17 @@ def train_sft(recipe: Recipe, stop_after: int | None = None) -> dict:
 def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
     from transformers import AutoTokenizer
 
+    # Inputs first (cheap, one-line errors), then the model, then the output folder.
+    validate_checkpoint(recipe.model.checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
+    batches = load_sft_data(recipe, tokenizer, load_hf_config(recipe.model.checkpoint).vocab_size)
+    bridge, model, params = build_policy(recipe)
+    optimizer, scheduler = optimizer_and_schedule(params, recipe)
     out = Path(recipe.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    bridge, model, params = build_policy(recipe)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
-    batches = load_sft_data(recipe, tokenizer, model.vocab_size)
-    optimizer, scheduler = optimizer_and_schedule(params, recipe)
 
     start, history = 0, []
+    checkpoint.remove_abandoned(out / "checkpoints")  # half-written saves of a killed run
     saved = checkpoint.load_latest(out / "checkpoints") if recipe.train.resume else None
     if saved is not None:
         start = checkpoint.restore(saved[0], params, optimizer, scheduler)
@@ -108,7 +124,7 @@ def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
     bar.close()
 
     result = {"history": history, "output_dir": str(out)}
-    (out / "history.json").write_text(json.dumps(history, indent=1))
+    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
     if history:
         result["loss_curve"] = str(plot_curves(history, ["loss"], out / "loss.png", "LoRA SFT"))
     if end == recipe.train.steps and recipe.export.kind != "none":

@@ -1,0 +1,163 @@
+"""A killed run resumes identically (issue 9).
+
+`glm5-bridge train` (tiny GLM-5.2, LoRA SFT, `train.deterministic=true`, a checkpoint every
+SAVE_EVERY steps) runs as a real process and is SIGKILLed KILLS times, each time at a random step
+(and a random moment inside it: computing, or writing a checkpoint); after each kill the same
+command is started again and resumes from the last checkpoint. After the second kill a half-written
+checkpoint folder and a half-written `latest` are planted as a dying save would leave them; the
+resume must ignore and remove them. The run that finally completes must have the same loss curve
+(loss, grad norm, lr and tokens of every step, bit for bit), final loss, LoRA weights and optimizer
+state as an uninterrupted run of the same command. The number of kills survived goes to
+tests/checked.json (README "What is checked").
+
+The uninterrupted reference runs beside the killed ones (one thread each, two cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import _checked
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, SAVE_EVERY, KILLS = 12, 2, 5
+PROGRESS = re.compile(rb"\|\s*(\d+)/%d\b" % STEPS)
+
+
+class Run:
+    """One `glm5-bridge train` process; `step` follows its progress bar (steps completed)."""
+
+    def __init__(self, checkpoint: Path, out: Path, log: Path):
+        cmd = [sys.executable, "-m", "glm5_bridge.cli", "train", str(ROOT / "recipes" / "tiny_lora_sft.yaml"),
+               f"model.checkpoint={checkpoint}", f"train.output_dir={out}", f"train.steps={STEPS}",
+               f"train.save_every={SAVE_EVERY}", "train.warmup_steps=2", "data.limit=100", "data.max_tokens=128",
+               "lora.dim=4", "train.deterministic=true", "export.kind=none"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONUNBUFFERED="1")
+        env.pop("MASTER_PORT", None)
+        self.log = open(log, "ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.PIPE)
+        self.step, self.first, self.stderr = -1, None, b""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        while chunk := os.read(self.proc.stderr.fileno(), 65536):
+            self.stderr += chunk
+            self.log.write(chunk)
+            found = PROGRESS.findall(self.stderr[-4096:])
+            if found:
+                if self.first is None:  # the bar starts at the step the run resumed from
+                    self.first = int(found[0])
+                self.step = max(self.step, int(found[-1]))
+
+    def wait_for_step(self, step: int, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step < step:
+            assert self.proc.poll() is None, f"run ended (rc {self.proc.returncode}) before step {step}:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no step {step} within {timeout}s:\n{self.tail()}"
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()  # reaped: its pid is free, so its temp folders count as abandoned
+        self._reader.join(10)
+        self.log.close()
+
+    def finish(self, timeout: float = 300) -> int:
+        rc = self.proc.wait(timeout)
+        self._reader.join(10)
+        self.log.close()
+        return rc
+
+    def tail(self) -> str:
+        return self.stderr[-3000:].decode(errors="replace")
+
+
+def _latest(out: Path) -> int:
+    latest = out / "checkpoints" / "latest"
+    return int(latest.read_text().split("_")[1]) if latest.is_file() else 0
+
+
+def _curve(out: Path) -> list[tuple]:
+    return [(h["step"], h["loss"], h["grad_norm"], h["lr"], h["tokens"])
+            for h in json.loads((out / "history.json").read_text())]
+
+
+def _final_state(out: Path) -> dict:
+    return torch.load(out / "checkpoints" / f"step_{STEPS:07d}" / "state.pt", weights_only=True)
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_sigkill_at_random_steps_resumes_bit_identically(tiny_checkpoint, tmp_path):
+    checkpoint = tiny_checkpoint("GLM-5.2")
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    kill_steps = sorted(rng.sample(range(1, STEPS), KILLS))  # distinct, so every cycle gets further
+    note = f"(kill schedule seed {seed}: steps {kill_steps}; logs in {tmp_path})"
+
+    reference = Run(checkpoint, tmp_path / "reference", tmp_path / "reference.log")
+    out = tmp_path / "killed"
+    cycles = []
+    for i, step in enumerate(kill_steps):
+        resumed_from = _latest(out)
+        run = Run(checkpoint, out, tmp_path / f"killed-{i}.log")
+        run.wait_for_step(step)
+        time.sleep(rng.uniform(0, 0.4))  # anywhere in the next step, its checkpoint write included
+        run.kill()
+        cycles.append({"latest_at_start": resumed_from, "started_at": run.first, "killed_after": run.step,
+                       "latest_at_kill": _latest(out)})
+        assert run.first == resumed_from <= _latest(out) <= STEPS, (cycles, note)
+        if i == 1:  # what a save killed mid-way leaves: a temp checkpoint folder and a temp `latest`
+            pid = run.proc.pid
+            half = out / "checkpoints" / f".step_{_latest(out) + SAVE_EVERY:07d}.tmp-{pid}"
+            half.mkdir(parents=True, exist_ok=True)
+            (half / "state.pt").write_bytes(b"PK\x03\x04 half a zip")
+            (out / "checkpoints" / f".latest.tmp-{pid}").write_text("step_00")
+            planted = [half, out / "checkpoints" / f".latest.tmp-{pid}"]
+
+    resumed_from = _latest(out)
+    final = Run(checkpoint, out, tmp_path / "final.log")
+    assert final.finish() == 0, final.tail()
+    assert final.first == resumed_from, (cycles, note)
+    assert reference.finish() == 0, reference.tail()
+
+    # Every restart resumed from the last complete checkpoint (asserted per cycle above: its progress bar
+    # started there); nothing half-written survived.
+    assert sum(c["latest_at_start"] > 0 for c in cycles) + (resumed_from > 0) >= KILLS - 1, (cycles, note)
+    assert not any(p.exists() for p in planted), note
+    leftovers = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+    assert leftovers == [], note
+    assert _latest(out) == STEPS
+
+    # Same loss curve, same final loss, same LoRA weights and optimizer state: bit for bit.
+    assert len(_curve(out)) == STEPS and _curve(out) == _curve(tmp_path / "reference"), note
+    printed = [re.findall(r"^final loss (\S+);", (tmp_path / log).read_text(), re.M) for log in ("final.log",
+                                                                                          "reference.log")]
+    assert printed[0] and printed[0] == printed[1], note
+    got, want = _final_state(out), _final_state(tmp_path / "reference")
+    assert got["params"] and _equal(got["params"], want["params"]), note
+    assert _equal(got["optimizer"], want["optimizer"]) and got["scheduler"] == want["scheduler"], note
+
+    _checked.record("kill_resume", {"kills": KILLS, "resumes": len(cycles), "steps": STEPS,
+                                    "save_every": SAVE_EVERY, "test": "tests/test_kill_resume.py"})
