@@ -85,13 +85,16 @@ def init_cpu_process_group() -> None:
 
     if torch.distributed.is_initialized():
         return
-    if "MASTER_PORT" not in os.environ:  # a lone process: any free port (others may run beside it)
-        from glm5_bridge.distributed import free_port
+    if "MASTER_PORT" in os.environ or "WORLD_SIZE" in os.environ:  # started by a launcher
+        for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(key, default)
+        torch.distributed.init_process_group("gloo")
+        return
+    # A lone process: a free port, passed directly rather than through os.environ so that
+    # subprocesses (which inherit the environment) do not try to listen on the same port.
+    from glm5_bridge.distributed import free_port
 
-        os.environ["MASTER_PORT"] = str(free_port())
-    for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, default)
-    torch.distributed.init_process_group("gloo")
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def cpu_seed(seed: int) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from glm5_bridge.data import packed_seq_params  # noqa: F401  (thd helper, also used by the tests)
+
 VARIANTS = ("GLM-5", "GLM-5.1", "GLM-5.2")
 
 TINY = dict(
@@ -195,16 +197,6 @@ def load_hf(path: str | os.PathLike):
         return GlmMoeDsaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     finally:
         hf_logging.set_verbosity(level)
-
-
-def packed_seq_params(lengths: list[int]):
-    """thd `PackedSeqParams` for sequences of the given lengths packed end to end."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
 
 def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,16 @@ def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]
     return ids, mask
 
 
+def packed_seq_params(lengths: list[int]):
+    """thd `PackedSeqParams` for sequences of the given lengths packed end to end."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+
+
 @dataclass
 class PackedBatch:
     """One thd micro-batch: `input_ids`/`labels`/`loss_mask`/`position_ids` are [1, T]."""
@@ -96,8 +106,6 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
     def packed_seq_params(self):
-        from glm5_bridge.testing import packed_seq_params
-
         return packed_seq_params(self.lengths)
 
 
