@@ -85,7 +85,7 @@ def init_cpu_process_group() -> None:
 
     if torch.distributed.is_initialized():
         return
-    if "MASTER_PORT" in os.environ or "WORLD_SIZE" in os.environ:  # started by a launcher
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by a launcher (torchrun, …)
         for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(key, default)
         torch.distributed.init_process_group("gloo")

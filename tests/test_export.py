@@ -7,18 +7,14 @@ are hashed before and after: exporting never writes to it.
 
 import hashlib
 import json
-import os
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from glm5_bridge.distributed import free_port
 from glm5_bridge.export import export_adapter, export_merged
 from glm5_bridge.lora import GLM5LoRA, lora_parameters, lora_targets
 from glm5_bridge.testing import load_hf, load_megatron, megatron_logits
-
-os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 TOL = 1e-5
 VARIANTS = ["GLM-5", "GLM-5.2"]

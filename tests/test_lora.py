@@ -7,7 +7,6 @@ the base weight (no LoRA); its weight gradient dW gives the LoRA gradients by th
 dB = (alpha/r)·dW·Aᵀ and dA = (alpha/r)·Bᵀ·dW. fp32 on CPU, bound 1e-5 max abs.
 """
 
-import os
 import zlib
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from megatron.bridge.peft.lora_layers import LoRALinear
 
-from glm5_bridge.distributed import free_port, run_local_ranks
+from glm5_bridge.distributed import run_local_ranks
 from glm5_bridge.layers import DuplicatedLinear
 from glm5_bridge.lora import (
     MLA_TARGETS,
@@ -25,9 +24,6 @@ from glm5_bridge.lora import (
     lora_targets,
 )
 from glm5_bridge.testing import load_megatron, megatron_logits
-
-# The in-process gloo group would otherwise take the fixed default port other runs may hold.
-os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 TOL = 1e-5
 
