@@ -124,21 +124,27 @@ def pack(samples: list[tuple[list[int], list[int]]], vocab_size: int) -> PackedB
     return PackedBatch(as_row(ids), as_row(labels), as_row(mask).float(), as_row(pos), [len(s) for s, _ in samples])
 
 
+def greedy_groups(lengths: list[int], max_tokens: int, what: str = "sample") -> list[list[int]]:
+    """Indices of consecutive items grouped greedily so that each group holds ≤ `max_tokens` tokens."""
+    groups, current, size = [], [], 0
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(f"{what} {i} has {n} tokens, more than data.max_tokens={max_tokens}")
+        if current and size + n > max_tokens:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    return groups + [current] if current else groups
+
+
 def packed_batches(tokenized: list[tuple[list[int], list[int]]], max_tokens: int, vocab_size: int,
                    seed: int, epoch: int) -> list[PackedBatch]:
     """One epoch: samples shuffled by (seed, epoch), packed greedily up to `max_tokens` each."""
+    for i, (ids, _) in enumerate(tokenized):  # name an oversized sample by its place in the file
+        if len(ids) > max_tokens:
+            raise ValueError(f"sample {i} has {len(ids)} tokens, more than data.max_tokens={max_tokens}")
     order = list(range(len(tokenized)))
     random.Random(seed * 100003 + epoch).shuffle(order)
-    batches, current, size = [], [], 0
-    for i in order:
-        n = len(tokenized[i][0])
-        if n > max_tokens:
-            raise ValueError(f"sample {i} has {n} tokens, more than data.max_tokens={max_tokens}")
-        if size + n > max_tokens and current:
-            batches.append(pack(current, vocab_size))
-            current, size = [], 0
-        current.append(tokenized[i])
-        size += n
-    if current:
-        batches.append(pack(current, vocab_size))
-    return batches
+    groups = greedy_groups([len(tokenized[i][0]) for i in order], max_tokens)
+    return [pack([tokenized[order[j]] for j in group], vocab_size) for group in groups]

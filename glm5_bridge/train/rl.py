@@ -27,7 +27,7 @@ import torch
 
 from glm5_bridge.config import load_hf_config
 from glm5_bridge.convert import atomic_write_text
-from glm5_bridge.data import pack, read_jsonl
+from glm5_bridge.data import greedy_groups, pack, read_jsonl
 from glm5_bridge.replay import IndexerReplay, RequestTopk
 from glm5_bridge.routing_replay import decode_routed_experts, replaying_routes
 from glm5_bridge.train import checkpoint
@@ -199,14 +199,6 @@ def train_rl(recipe: Recipe) -> dict:
 
 
 def _micro_batches(samples: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
-    groups, current, size = [], [], 0
-    for s in samples:
-        if len(s.tokens) > max_tokens:
-            raise ValueError(f"a rollout has {len(s.tokens)} tokens, more than data.max_tokens={max_tokens}")
-        if current and size + len(s.tokens) > max_tokens:
-            groups.append(current)
-            current, size = [], 0
-        current.append(s)
-        size += len(s.tokens)
-    return groups + [current] if current else groups
+    groups = greedy_groups([len(s.tokens) for s in samples], max_tokens, what="rollout")
+    return [[samples[i] for i in group] for group in groups]
 
