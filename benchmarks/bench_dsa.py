@@ -7,7 +7,7 @@ ops vs a torch reference, with dense causal flash attention (torch SDPA) as the 
 Prints one `RESULT {json}` line per measurement and a table last; writes every row to --out.
 
 Sparse MLA (q [S,H,576], kv [S,576], top-k 2048 random causal, one sequence of S tokens):
-  ours      our fwd kernel (kernels/sparse_mla_fwd.py) + our bwd where it exists, raw kernel calls
+  ours      our fwd and bwd kernels (kernels/sparse_mla_fwd.py, sparse_mla_bwd.py), raw calls
   upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
   iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs), GLM5_DSA_KERNELS=upstream and =ours
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
@@ -39,6 +39,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the mod
 import importlib  # noqa: E402
 
 iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
+from glm5_bridge.kernels import sparse_mla_bwd as ours_bwd  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_fwd as ours_fwd  # noqa: E402
 
 TOPK, SCALE = 2048, 1 / 16
@@ -259,6 +260,52 @@ def bench_sparse(seqs, heads_list, variants, reps):
             torch.cuda.empty_cache()
 
 
+# ---------------------------------------------------------------------------------------------- bwd parts
+BWD_VARIANTS = {  # name → (ds_kernel kwargs, dkv_kernel kwargs); "default" is what bwd() runs
+    "default": ({}, {}),
+    "ds_bi32_2stages": ({"block_i": 32, "num_stages": 2}, {}),
+    "dkv_1stage": ({}, {"num_stages": 1}),
+}
+
+
+def build_bwd_variant(name, heads=64):
+    ds_kw, dkv_kw = BWD_VARIANTS[name]
+    return (ours_bwd.ds_kernel(heads, TOPK, SCALE, "bfloat16", **ds_kw),
+            ours_bwd.dkv_kernel(heads, TOPK, "bfloat16", **dkv_kw))
+
+
+def bench_bwd_parts(s=8192, heads=64, reps=5):
+    """Our backward's two kernels timed on their own (one token chunk of S), per variant."""
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
+    idx = causal_topk([s], TOPK, gen)
+    dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
+    out, lse = ours_fwd.fwd(q, kv, idx, SCALE)
+    delta = (out.float() * dout.float()).sum(-1)
+    p = torch.empty(s, heads, TOPK, dtype=q.dtype, device="cuda")
+    ds = torch.empty_like(p)
+    dq = torch.empty(s, heads, 576, device="cuda", dtype=q.dtype)  # dq_dtype("bfloat16")
+    dkv = torch.zeros(s, 576, device="cuda")
+    ref = None
+    for name in BWD_VARIANTS:
+        try:
+            ds_k, dkv_k = build_bwd_variant(name, heads)
+            t_ds, _ = median_ms(lambda: ds_k(q, kv, dout, idx, lse, delta, p, ds, dq), reps)
+            t_dkv, _ = median_ms(lambda: dkv_k(q, dout, idx, p, ds, dkv), reps)
+            dkv.zero_()
+            ds_k(q, kv, dout, idx, lse, delta, p, ds, dq)
+            dkv_k(q, dout, idx, p, ds, dkv)
+            res = (dq.clone(), dkv.clone())
+            ref = ref or res
+            emit("bwd_parts", variant=name, S=s, H=heads, ds_ms=round(t_ds, 3), dkv_ms=round(t_dkv, 3),
+                 total_ms=round(t_ds + t_dkv, 3), dq_vs_default=rel(res[0], ref[0]), dkv_vs_default=rel(res[1], ref[1]),
+                 ds_flop_tflops=round(2 * s * heads * TOPK * 1664 / t_ds / 1e9, 1),
+                 dkv_flop_tflops=round(2 * s * heads * TOPK * 1088 / t_dkv / 1e9, 1))
+        except Exception as e:  # noqa: BLE001
+            print(f"bwd variant {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
 # ---------------------------------------------------------------------------------------------- indexer
 def bench_indexer(seqs, heads=32, dim=128, reps=5):
     from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import indexer_fwd_interface
@@ -286,7 +333,15 @@ def bench_indexer(seqs, heads=32, dim=128, reps=5):
                 out[r0:r1] = sc.topk(TOPK, dim=-1).indices
             return out
 
-        for name, fn, n in (("upstream_tilelang+torch.topk", up, reps), ("torch_chunked", tref, 2)):
+        from glm5_bridge.kernels import indexer as ours_indexer
+
+        starts = torch.zeros(s, dtype=torch.int64, device="cuda")
+
+        def ours():  # our score kernel over causal key windows, ROW_BLOCK rows per torch.topk
+            return ours_indexer.select_topk(iq, ik, w, starts, TOPK)
+
+        for name, fn, n in (("ours", ours, reps), ("upstream_tilelang+torch.topk", up, reps),
+                            ("torch_chunked", tref, 2)):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -306,9 +361,15 @@ def bench_compile(heads=64, n=20):
     fwd_mod, bwd_mod = upstream_mods()
     gen = torch.Generator(device="cuda").manual_seed(3)
     lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
-    for impl in ("ours_fwd", "upstream_fwd", "upstream_bwd"):
-        builds0 = ours_fwd.get_kernel.cache_info().misses
-        up0 = len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
+    def ours_builds():
+        return (ours_fwd.get_kernel.cache_info().misses + ours_bwd.get_ds_kernel.cache_info().misses
+                + ours_bwd.get_dkv_kernel.cache_info().misses)
+
+    def upstream_builds():
+        return len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
+
+    for impl in ("ours_fwd", "ours_fwd_bwd", "upstream_fwd", "upstream_fwd_bwd"):
+        builds0 = ours_builds() if impl.startswith("ours") else upstream_builds()
         times = []
         t_all = time.time()
         for s in lengths:
@@ -317,20 +378,20 @@ def bench_compile(heads=64, n=20):
             idx = causal_topk([s], TOPK, gen)
             torch.cuda.synchronize()
             t0 = time.time()
-            if impl == "ours_fwd":
-                ours_fwd.fwd(q, kv, idx, SCALE)
-            elif impl == "upstream_fwd":
-                fwd_mod.sparse_mla_fwd_interface(q[None], kv[None, :, None], idx[None, :, None], sm_scale=SCALE, d_v=512)
+            if impl.startswith("ours"):
+                o, lse = ours_fwd.fwd(q, kv, idx, SCALE)
+                if impl == "ours_fwd_bwd":
+                    ours_bwd.bwd(q, kv, o, torch.randn_like(o), idx, lse, SCALE)
             else:
                 o, lse = fwd_mod.sparse_mla_fwd_interface(q[None], kv[None, :, None], idx[None, :, None],
                                                           sm_scale=SCALE, d_v=512)
-                bwd_mod.sparse_mla_bwd(q[None], kv[None, :, None], o, torch.randn_like(o), idx[None, :, None], lse,
-                                       sm_scale=SCALE)
+                if impl == "upstream_fwd_bwd":
+                    bwd_mod.sparse_mla_bwd(q[None], kv[None, :, None], o, torch.randn_like(o), idx[None, :, None],
+                                           lse, sm_scale=SCALE)
             torch.cuda.synchronize()
             times.append(time.time() - t0)
-        builds = ours_fwd.get_kernel.cache_info().misses - builds0
-        ups = len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache) - up0
-        emit("compile", impl=impl, lengths=lengths, kernel_builds=builds if impl == "ours_fwd" else ups,
+        builds = (ours_builds() if impl.startswith("ours") else upstream_builds()) - builds0
+        emit("compile", impl=impl, lengths=lengths, kernel_builds=builds,
              first_call_s=round(times[0], 2), later_max_s=round(max(times[1:]), 3),
              later_median_s=round(statistics.median(times[1:]), 4), total_s=round(time.time() - t_all, 1))
 
@@ -363,10 +424,10 @@ def bench_dense(seqs, heads=64, dim=256, reps=10):
 def main():
     global OUT_PATH
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="check,sparse,indexer,compile,dense")
+    ap.add_argument("--parts", default="check,sparse,bwd_parts,indexer,compile,dense")
     ap.add_argument("--seqs", default="4096,8192,16384")
     ap.add_argument("--heads", default="16,64")
-    ap.add_argument("--variants", default="simple,ws,ws_async")
+    ap.add_argument("--variants", default="simple,ws")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
@@ -383,6 +444,8 @@ def main():
             print(f"iface ours check failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
     if "sparse" in parts:
         bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], variants, a.reps)
+    if "bwd_parts" in parts:
+        bench_bwd_parts()
     if "indexer" in parts:
         bench_indexer([8192, 32768])
     if "compile" in parts:

@@ -22,16 +22,28 @@ tilelang.__version__, '| megatron-core', megatron.core.__version__, '| transform
     | tee -a "$out/gpu.txt"
 
 # 1. Compile the kernels the tests use, one process per kernel, in parallel: TileLang's disk cache
-#    then serves the test processes (a kernel takes 15-30 s to compile). Shapes: GLM-5 dims
-#    (64 heads, top-k 2048, scale 1/16) and the tests' tiny model (4 heads, top-k 8, 1/sqrt(80)).
+#    then serves the test processes (a kernel takes 10-30 s to compile). Shapes: GLM-5 dims
+#    (64 heads, top-k 2048, scale 1/16; 16 and 128 heads for the kernel tests) and the tests' tiny
+#    model (4 heads, top-k 8, 1/sqrt(80)) in bfloat16 and, for the fp32 model, float16.
 start=$(date +%s)
 pids=()
 i=0
-for job in "64,2048,1/math.sqrt(256),'fwd'" "64,2048,1/math.sqrt(256),'delta'" "64,2048,1/math.sqrt(256),'bwd'" \
-           "64,2048,1/math.sqrt(256),'post'" "4,8,1/math.sqrt(80),'fwd'" "4,8,1/math.sqrt(80),'delta'" \
-           "4,8,1/math.sqrt(80),'bwd'"; do
+jobs=()
+for shape in "64,2048,1/16" "16,2048,1/16" "4,8,1/math.sqrt(80)"; do
+    for dtype in bfloat16 float16; do
+        for part in fwd ds dkv; do jobs+=("$shape,parts=('$part',),dtype=torch.$dtype"); done
+    done
+done
+jobs+=("128,2048,1/16,parts=('fwd',)" "64,2048,1/16,kernels='upstream'")
+for job in "${jobs[@]}"; do
     i=$((i + 1))
-    python3 -c "import math; from glm5_bridge.kernels import compile_kernels as c; c(*[$job][:3], parts=([$job][3],))" \
+    python3 -c "import math, torch; from glm5_bridge.kernels import compile_kernels as c; c($job)" \
+        > "/tmp/compile_$i.log" 2>&1 &
+    pids+=($!)
+done
+for heads in 32 16; do  # the indexer score kernel: GLM-5 (32 × 128) and the tiny model (16 × 128)
+    i=$((i + 1))
+    python3 -c "from glm5_bridge.kernels import indexer; indexer.get_logits_kernel($heads, 128)" \
         > "/tmp/compile_$i.log" 2>&1 &
     pids+=($!)
 done

@@ -139,3 +139,53 @@ def test_fused_autograd_glue_matches_unfused(heads, topk):
     kv2[:20] += 1
     out2 = SparseMLA.apply(q, kv2, idx, scale, reference.OPS)
     assert torch.equal(out2[20:], out.detach()[20:]) and not torch.equal(out2[:20], out.detach()[:20])
+
+
+def test_fp32_inputs_run_float16_kernels_with_scaled_dout():
+    """fp32 q/kv go through the kernels as float16 (kernel_dtype): 8× finer rounding than bf16, and
+    a dout far below float16's range (a mean loss over many tokens) still gives exact-scale grads
+    thanks to the power-of-two dout scaling. Reference: the unfused backend in fp32."""
+    from glm5_bridge.kernels.sparse_mla import FP16_MAX_INPUT, kernel_dtype
+
+    lengths, heads, scale = [20, 17, 13], 4, 256 ** -0.5
+    q, kv, idx = _inputs(lengths, heads, 40, seed=3)
+    assert kernel_dtype(q, kv, reference.OPS) == torch.float16
+    assert kernel_dtype(q.bfloat16(), kv.bfloat16(), reference.OPS) == torch.bfloat16
+    assert kernel_dtype(q, kv * FP16_MAX_INPUT, reference.OPS) == torch.bfloat16  # would overflow float16
+    upstream_like = type(reference.OPS)(**{**vars(reference.OPS), "float16": False})
+    assert kernel_dtype(q, kv, upstream_like) == torch.bfloat16
+    dout = 1e-9 * torch.randn(sum(lengths), heads, D_V, generator=torch.Generator().manual_seed(2))
+    q_ref, kv_ref = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    unfused_sparse_mla(q_ref, kv_ref, idx, scale, D_V).backward(dout)
+    errors = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        q_k, kv_k = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = SparseMLA.apply(q_k, kv_k, idx, scale, reference.OPS, dtype)
+        assert out.dtype == torch.float32
+        out.backward(dout)
+        assert q_k.grad.dtype == kv_k.grad.dtype == torch.float32
+        errors[dtype] = (_rel(out, unfused_sparse_mla(q, kv, idx, scale, D_V)), _rel(q_k.grad, q_ref.grad),
+                         _rel(kv_k.grad, kv_ref.grad))
+    assert max(errors[torch.float16]) <= 2e-3  # measured 3.8e-4 – 5.3e-4 (bf16: 2.9e-3 – 4.3e-3)
+    assert all(f * 4 < b for f, b in zip(errors[torch.float16], errors[torch.bfloat16]))
+
+
+@pytest.mark.parametrize("row_block", [4096, 50, 7])
+def test_indexer_host_code_matches_torch_topk(row_block):
+    """kernels/indexer.select_topk's blocking (row blocks, causal key windows that start mid-block,
+    tile padding, window-relative bounds, −1 padding) with a torch stand-in for the score kernel:
+    the same top-k as attention/topk.select_topk. The kernel itself: tests/gpu/test_indexer.py."""
+    from glm5_bridge.attention.topk import flat_starts_thd, select_topk
+    from glm5_bridge.kernels import indexer
+
+    lengths, heads, dim, topk = [1, 63, 100, 13, 130], 16, 32, 40
+    g = torch.Generator().manual_seed(5)
+    total = sum(lengths)
+    q, k = torch.randn(total, heads, dim, generator=g), torch.randn(total, dim, generator=g)
+    w = torch.randn(total, heads, generator=g) / 16
+    starts = flat_starts_thd(torch.tensor([0, *lengths]).cumsum(0), total)
+    ours = indexer.select_topk(q, k, w, starts, topk, row_block=row_block,
+                               kernel=indexer.reference_logits_kernel(heads, dim))
+    ref = select_topk(q, k, w, starts, topk)
+    assert torch.equal(ours.sort(1).values, ref.sort(1).values)
+    assert torch.equal(indexer.select_topk(q, k, w, starts, topk), ref)  # CPU/fp32: the torch path itself

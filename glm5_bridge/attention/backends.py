@@ -6,7 +6,8 @@ whether the micro-batch came as thd (packed sequences) or bshd.
 
   "megatron"  unfused torch (attention/unfused.py); any device, dtype and layout.
   "tilelang"  fused TileLang kernels (glm5_bridge/kernels); CUDA, thd, q/kv 576 wide with v 512.
-              Its package is optional and imported only when this backend is chosen.
+              Its package is optional and imported only when this backend is chosen. Its indexer
+              scores come from our TileLang kernel too (`topk_selector`; bf16 inputs).
 
 Rope: neither backend applies it. megatron's AbsorbedMLA rotates q_rope and k_rope (interleaved,
 rope_interleave=true) and concatenates them after the 512 latent channels before it calls core
@@ -38,6 +39,16 @@ def tilelang_sparse_mla(q, kv, topk, softmax_scale, v_dim, *, packed):
     from glm5_bridge.kernels import sparse_mla
 
     return sparse_mla(q, kv, topk, softmax_scale, v_dim)
+
+
+def topk_selector(name: str):
+    """The lightning-indexer top-k a backend runs; every one has attention/topk.select_topk's
+    contract. "tilelang" scores bf16 queries with our TileLang kernel (kernels/indexer.py)."""
+    if name == "tilelang":
+        from glm5_bridge.kernels.indexer import select_topk
+    else:
+        from glm5_bridge.attention.topk import select_topk
+    return select_topk
 
 
 def get_backend(name: str):

@@ -21,8 +21,8 @@ from megatron.core.utils import get_pg_size
 
 from glm5_bridge import replay
 from glm5_bridge.attention import index_share
-from glm5_bridge.attention.backends import get_backend
-from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd, select_topk
+from glm5_bridge.attention.backends import get_backend, topk_selector
+from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd
 from glm5_bridge.config import topk_source_layers
 
 
@@ -46,6 +46,7 @@ class SparseMLACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.v_channels = config.kv_lora_rank
         self.backend = get_backend(config.dsa_attention_backend)
+        self.select_topk = topk_selector(config.dsa_attention_backend)
         self.pg_collection = pg_collection
         if get_pg_size(pg_collection.cp) > 1:
             raise NotImplementedError("DSA with context parallelism (CP > 1) is not supported yet")
@@ -98,7 +99,7 @@ class SparseMLACoreAttention(MegatronModule):
                 q = q.transpose(0, 1).reshape(-1, *q.shape[2:])
                 k = k.transpose(0, 1).reshape(-1, k.shape[-1])
                 w = w.transpose(0, 1).reshape(-1, w.shape[-1])
-                return select_topk(q, k, w, starts, self.index_topk)
+                return self.select_topk(q, k, w, starts, self.index_topk)
 
         # R3 indexer replay (glm5_bridge/replay.py): compute(), or the recorded / replayed top-k.
         topk = replay.resolve(self, starts, carrier, compute)

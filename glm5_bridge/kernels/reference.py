@@ -1,5 +1,5 @@
-"""The sparse-MLA kernels' two entry points in plain torch (fp32 math, bf16 results, as the
-kernels return them): same arguments, same shapes, same log2 lse convention as `tilelang_ops()`.
+"""The sparse-MLA kernels' two entry points in plain torch (fp32 math; the output in q's dtype and
+fp32 gradients, as our kernels return them): same arguments, same shapes, same log2 lse convention as `tilelang_ops()`.
 
 `SparseMLA.apply(q, kv, topk, scale, OPS)` runs the autograd glue (head / top-k padding, index
 conversion, the delta pre-pass, the dkv scatter) without a GPU; the CPU tests check it against the
@@ -40,7 +40,7 @@ def fwd(q, kv, idx, scale):
     q32, keys, valid, _ = _unpack(q, kv, idx)
     p, lse = _probs(q32, keys, valid, scale)
     out = torch.einsum("thk,tkc->thc", p, keys[..., :D_V])
-    return out.to(torch.bfloat16)[None], (lse / LN2)[None]
+    return out.to(q.dtype)[None], (lse / LN2)[None]
 
 
 def bwd(q, kv, out, dout, idx, lse, scale):
@@ -55,10 +55,10 @@ def bwd(q, kv, out, dout, idx, lse, scale):
     dkeys = dkeys * valid[..., None]
     dkv = torch.zeros(kv.shape[1], kv.shape[-1], dtype=torch.float32, device=kv.device)
     dkv.index_add_(0, safe.reshape(-1), dkeys.reshape(-1, kv.shape[-1]))
-    return dq.to(torch.bfloat16)[None], dkv.to(torch.bfloat16)[None, :, None]
+    return dq[None], dkv[None, :, None]
 
 
-OPS = SimpleNamespace(fwd=fwd, bwd=bwd)
+OPS = SimpleNamespace(fwd=fwd, bwd=bwd, float16=True)
 
 
 def random_causal_topk(lengths: list[int], topk: int, *, device="cpu", generator=None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The kernels take a batch axis and a kv-group axis that our flat layout does not need: q
 [1, T, Hk, 576], kv [1, T, 1, 576], indices [1, T, 1, Kp] int32 (−1 = empty), and return out
-[1, T, Hk, 512] bf16 plus lse [1, T, Hk] fp32 in log2 units (log2 Σ exp, the scale folded in;
+[1, T, Hk, 512] (q's dtype) plus lse [1, T, Hk] fp32 in log2 units (log2 Σ exp, the scale folded in;
 0 for an all-empty row). `SparseMLA` maps our [T, H, 576] / [T, 576] / [T, K] onto that.
 """
 
@@ -37,14 +37,14 @@ def require_tilelang() -> None:
                           f"reinstall with {INSTALL_HINT}") from None
 
 
-KERNELS_ENV = "GLM5_DSA_KERNELS"  # "upstream" (default) or "ours"
-DEFAULT_KERNELS = "upstream"
+KERNELS_ENV = "GLM5_DSA_KERNELS"  # "ours" (default) or "upstream"
+DEFAULT_KERNELS = "ours"
 OURS_FWD_VARIANT = "simple"  # kernels/sparse_mla_fwd.VARIANTS key used by ours_ops()
 
 
 def default_kernels() -> str:
-    """Which kernels `sparse_mla` runs: $GLM5_DSA_KERNELS, else DEFAULT_KERNELS. Ours become the
-    default only once they pass their device checks and beat upstream (docs/kernels.md)."""
+    """Which kernels `sparse_mla` runs: $GLM5_DSA_KERNELS, else DEFAULT_KERNELS (numbers behind the
+    default: docs/kernels.md)."""
     name = os.environ.get(KERNELS_ENV, DEFAULT_KERNELS)
     if name not in ("upstream", "ours"):
         raise ValueError(f"{KERNELS_ENV} must be 'upstream' or 'ours'; got {name!r}")
@@ -52,13 +52,14 @@ def default_kernels() -> str:
 
 
 def tilelang_ops() -> SimpleNamespace:
-    """The two kernel entry points `SparseMLA` runs (kernels/reference.py has the same in torch):
+    """The kernel entry points `SparseMLA` runs (kernels/reference.py has the same in torch):
 
-    fwd(q, kv, idx, scale) → (out, lse)
-    bwd(q, kv, out, dout, idx, lse, scale) → (dq bf16, dkv bf16)
+    fwd(q, kv, idx, scale) → (out in q's dtype, lse fp32)
+    bwd(q, kv, out, dout, idx, lse, scale) → (dq, dkv), fp32 or q's dtype
+    float16: whether fwd/bwd also take float16 q/kv (else bfloat16 only)
 
-    The default set (`default_kernels()`): megatron-core 0.19.2's TileLang ops (`upstream_ops`) or
-    ours (`ours_ops`, kernels/sparse_mla_fwd.py).
+    The default set (`default_kernels()`): ours (`ours_ops`, kernels/sparse_mla_fwd.py and
+    sparse_mla_bwd.py) or megatron-core 0.19.2's TileLang ops (`upstream_ops`).
     """
     return ours_ops() if default_kernels() == "ours" else upstream_ops()
 
@@ -69,12 +70,10 @@ def ours_ops(fwd_variant: str | None = None) -> SimpleNamespace:
 
 @functools.cache
 def _ours_ops(fwd_variant: str) -> SimpleNamespace:
-    """Our forward kernel (dynamic token count: one build for every length, no padding copies,
-    lse saved for backward); backward: upstream's kernels until ours pass (bwd_is_ours)."""
+    """Our kernels: dynamic token count (one build for every length, no padding copies), bfloat16
+    or float16, the backward reading the forward's lse instead of recomputing it."""
     require_tilelang()
-    from glm5_bridge.kernels import sparse_mla_fwd
-
-    up = upstream_ops()
+    from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
     def fwd(q, kv, idx, scale):
         _, t, h, _ = q.shape
@@ -82,7 +81,13 @@ def _ours_ops(fwd_variant: str) -> SimpleNamespace:
                                       variant=fwd_variant)
         return out.view(1, t, h, D_V), lse.view(1, t, h)
 
-    return SimpleNamespace(fwd=fwd, bwd=up.bwd, bwd_is_ours=False)
+    def bwd(q, kv, out, dout, idx, lse, scale):
+        _, t, h, _ = q.shape
+        dq, dkv = sparse_mla_bwd.bwd(q.view(t, h, D_QK), kv.view(t, D_QK), out.view(t, h, D_V),
+                                     dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale)
+        return dq.view(1, t, h, D_QK), dkv.view(1, t, 1, D_QK)
+
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True)
 
 
 @functools.cache
@@ -103,7 +108,7 @@ def upstream_ops() -> SimpleNamespace:
         delta = bwd_mod.sparse_mla_delta(out, dout)
         return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False, float16=False)
 
 
 def kernel_heads(heads: int) -> int:
@@ -134,32 +139,66 @@ def _kernel_indices(topk: torch.Tensor) -> torch.Tensor:
     return idx.view(1, t, 1, -1)
 
 
+FP16_MAX_INPUT = 2.0**14  # float16 tops out at 65504; q·k and p·v accumulate in fp32 inside the kernels
+FP16_DOUT_EXP = 10  # backward scales dout so its largest |value| is about 2^10 (see _float16_dout)
+
+
+def kernel_dtype(q: torch.Tensor, kv: torch.Tensor, ops: SimpleNamespace) -> torch.dtype:
+    """The element type the kernels run in. bfloat16 inputs run as they are. fp32 (and fp16)
+    inputs run as float16 when the kernel set takes it and the values fit: float16 keeps 10
+    mantissa bits to bfloat16's 7, so an fp32 model sees 8× less input/output rounding (tiny
+    GLM-5.2: 6.6e-3 → 1.3e-3 max logprob change for exact attention so rounded; docs/tilelang.md)."""
+    if q.dtype == torch.bfloat16 or not ops.float16:
+        return torch.bfloat16
+    if q.dtype == torch.float16 and kv.dtype == torch.float16:
+        return torch.float16
+    largest = torch.maximum(q.detach().abs().amax(), kv.detach().abs().amax()).item()  # one sync, fp32 only
+    return torch.float16 if largest < FP16_MAX_INPUT else torch.bfloat16
+
+
+def _float16_dout(dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float16 has 5 exponent bits: the gradient of a loss averaged over many tokens would
+    underflow. Scale dout by a power of two (exact) that brings its largest |value| near
+    2^FP16_DOUT_EXP; dq and dkv are linear in dout and get divided by the same factor."""
+    largest = dout.detach().abs().amax().float()
+    exponent = torch.where(largest > 0, torch.floor(torch.log2(largest)), torch.zeros_like(largest))
+    factor = torch.exp2(FP16_DOUT_EXP - exponent)
+    return (dout.float() * factor).half(), 1.0 / factor
+
+
 class SparseMLA(torch.autograd.Function):
-    """out = sparse MLA(q, kv, topk); gradients for q and kv. q/kv bf16, `ops` = tilelang_ops()
-    (or kernels.reference.OPS). Saved for backward: q (padded if H is not a kernel head count), kv,
-    the int32 indices, the output (the same storage the caller's W_UV matmul keeps) and lse."""
+    """out = sparse MLA(q, kv, topk); gradients for q and kv. `ops` = tilelang_ops() (or
+    kernels.reference.OPS), `dtype` = the kernels' element type (kernel_dtype): q/kv are cast to
+    it here, the output and the gradients come back in the inputs' dtypes. Saved for backward: q
+    (padded if H is not a kernel head count), kv, the int32 indices, the output and lse."""
 
     @staticmethod
-    def forward(ctx, q, kv, topk, softmax_scale, ops):
+    def forward(ctx, q, kv, topk, softmax_scale, ops, dtype=torch.bfloat16):
         t, h, _ = q.shape
-        q4 = _pad_heads(q, kernel_heads(h))
-        kv4 = kv.contiguous().view(1, t, 1, D_QK)
+        q4 = _pad_heads(q.to(dtype), kernel_heads(h))
+        kv4 = kv.to(dtype).contiguous().view(1, t, 1, D_QK)
         idx4 = _kernel_indices(topk)
         out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale)
         out = out4[0, :, :h]
         ctx.save_for_backward(q4, kv4, idx4, out, lse)
-        ctx.softmax_scale, ctx.ops = softmax_scale, ops
-        return out
+        ctx.softmax_scale, ctx.ops, ctx.input_dtypes = softmax_scale, ops, (q.dtype, kv.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q4, kv4, idx4, out, lse = ctx.saved_tensors
         t, h, _ = out.shape
         heads = q4.shape[2]
+        unscale = None
+        if out.dtype == torch.float16:
+            dout, unscale = _float16_dout(dout)
         # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
         dq4, dkv4 = ctx.ops.bwd(q4, kv4, _pad_heads(out, heads), _pad_heads(dout.to(out.dtype), heads),
                                 idx4, lse, ctx.softmax_scale)
-        return dq4[0, :, :h], dkv4.view(t, D_QK), None, None, None
+        dq, dkv = dq4[0, :, :h], dkv4.view(t, D_QK)
+        if unscale is not None:
+            dq, dkv = dq.float() * unscale, dkv.float() * unscale
+        return dq.to(ctx.input_dtypes[0]), dkv.to(ctx.input_dtypes[1]), None, None, None, None
 
 
 def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: int) -> None:
@@ -193,32 +232,42 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_sc
     """
     check_inputs(q, kv, topk, v_dim)
     ops = tilelang_ops()
-    out = SparseMLA.apply(q.to(torch.bfloat16), kv.to(torch.bfloat16), topk, float(softmax_scale), ops)
-    return out.to(q.dtype)
+    return SparseMLA.apply(q, kv, topk, float(softmax_scale), ops, kernel_dtype(q, kv, ops))
 
 
-def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=("fwd", "delta", "bwd", "post")) -> None:
+def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dtype: torch.dtype = torch.bfloat16,
+                    kernels: str | None = None) -> None:
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
-    query heads, top-k width `topk` and this softmax scale. Each part can be built in its own
-    process; later processes then load them from the cache instead of compiling."""
-    upstream_ops()
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
-    from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
-
+    query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
+    its own process; later processes then load them from the cache instead of compiling.
+    Parts: ours ("fwd", "ds", "dkv"), upstream ("fwd", "delta", "bwd", "post"); default all."""
+    kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
-    builders = {
-        # The arguments sparse_mla_fwd_interface / sparse_mla_bwd use by default.
-        "fwd": lambda: fwd_mod._get_sparse_mla_fwd_kernel(heads=hk, dim=D_V, tail_dim=D_QK - D_V, topk=kp,
-                                                          kv_group=1, sm_scale=scale, block_I=64, num_stages=2,
-                                                          threads=256),
-        "delta": lambda: bwd_mod._get_preprocess_kernel(hk, D_V),
-        "bwd": lambda: bwd_mod._get_bwd_kernel(hk, D_V, D_QK - D_V, kp, 1, scale,
-                                               bwd_mod._env_int("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", 32)),
-        "post": lambda: bwd_mod._get_postprocess_kernel(D_V, D_QK - D_V, 1),
-    }
-    for part in parts:
-        builders[part]()
-    if "fwd" in parts and default_kernels() == "ours":
-        from glm5_bridge.kernels import sparse_mla_fwd
+    if kernels == "ours":
+        require_tilelang()
+        from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
-        sparse_mla_fwd.get_kernel(OURS_FWD_VARIANT, hk, kp, scale)
+        name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+        hb = min(hk, sparse_mla_bwd.MAX_HEADS)  # the backward runs in groups of ≤ 64 heads
+        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(OURS_FWD_VARIANT, hk, kp, scale, name),
+                    "ds": lambda: sparse_mla_bwd.get_ds_kernel(hb, kp, scale, name),
+                    "dkv": lambda: sparse_mla_bwd.get_dkv_kernel(hb, kp, name)}
+    else:
+        upstream_ops()
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
+        from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
+
+        builders = {
+            # The arguments sparse_mla_fwd_interface / sparse_mla_bwd use by default.
+            "fwd": lambda: fwd_mod._get_sparse_mla_fwd_kernel(heads=hk, dim=D_V, tail_dim=D_QK - D_V, topk=kp,
+                                                              kv_group=1, sm_scale=scale, block_I=64, num_stages=2,
+                                                              threads=256),
+            "delta": lambda: bwd_mod._get_preprocess_kernel(hk, D_V),
+            "bwd": lambda: bwd_mod._get_bwd_kernel(hk, D_V, D_QK - D_V, kp, 1, scale,
+                                                   bwd_mod._env_int("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", 32)),
+            "post": lambda: bwd_mod._get_postprocess_kernel(D_V, D_QK - D_V, 1),
+        }
+    for part in parts or builders:
+        if part not in builders:
+            raise ValueError(f"compile_kernels: {kernels} kernels have parts {sorted(builders)}; got {part!r}")
+        builders[part]()

@@ -49,26 +49,27 @@ def _pass_configs(tilelang):
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
-def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256, num_stages: int = 2):
+def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256, num_stages: int = 2,
+                  dtype: str = "bfloat16"):
     tilelang, T = _tl()
     assert topk % block_i == 0
     hb = min(heads, 64)
     assert heads % hb == 0 and hb >= 16
     nhb, ni, c = heads // hb, topk // block_i, scale * LOG2E
-    bf16, f32 = T.bfloat16, T.float32
+    dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
 
     @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], bf16), KV: T.Tensor([nkv, D_QK], bf16),
-             Idx: T.Tensor([n, topk], T.int32), O: T.Tensor([n, heads, D_V], bf16),
+    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             Idx: T.Tensor([n, topk], T.int32), O: T.Tensor([n, heads, D_V], dt),
              Lse: T.Tensor([n, heads], f32)):
         with T.Kernel(n * nhb, threads=threads) as bx:
-            q_s = T.alloc_shared([hb, D_V], bf16)
-            qt_s = T.alloc_shared([hb, D_TAIL], bf16)
-            k_s = T.alloc_shared([block_i, D_V], bf16)
-            kt_s = T.alloc_shared([block_i, D_TAIL], bf16)
-            p_s = T.alloc_shared([hb, block_i], bf16)
+            q_s = T.alloc_shared([hb, D_V], dt)
+            qt_s = T.alloc_shared([hb, D_TAIL], dt)
+            k_s = T.alloc_shared([block_i, D_V], dt)
+            kt_s = T.alloc_shared([block_i, D_TAIL], dt)
+            p_s = T.alloc_shared([hb, block_i], dt)
             acc_s = T.alloc_fragment([hb, block_i], f32)
             acc_o = T.alloc_fragment([hb, D_V], f32)
             m = T.alloc_fragment([hb], f32)
@@ -278,17 +279,21 @@ VARIANTS = {
 
 
 @functools.cache
-def get_kernel(variant: str, heads: int, topk: int, scale: float):
+def get_kernel(variant: str, heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
+    if dtype != "bfloat16":  # only "simple" is built for float16 too
+        return simple_kernel(heads, topk, float(scale), dtype=dtype)
     return VARIANTS[variant](heads, topk, float(scale))
 
 
 def fwd(q, kv, idx, scale, variant="simple"):
-    """q [T,H,576], kv [T,576], idx [T,K] int32 (K a multiple of 64, H a power of two ≥ 16; "ws"
-    needs H a multiple of 64 and falls back to "simple" otherwise) → out [T,H,512], lse [T,H]."""
+    """q [T,H,576], kv [T,576] (both bfloat16 or both float16), idx [T,K] int32 (K a multiple of 64,
+    H a power of two ≥ 16; "ws" needs H a multiple of 64 and bfloat16, and falls back to "simple"
+    otherwise) → out [T,H,512] (q's dtype), lse [T,H] fp32."""
     t, h, _ = q.shape
-    if variant.startswith("ws") and h % 64:
+    dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
+    if variant.startswith("ws") and (h % 64 or dtype != "bfloat16"):
         variant = "simple"
-    kernel = get_kernel(variant, h, idx.shape[1], float(scale))
+    kernel = get_kernel(variant, h, idx.shape[1], float(scale), dtype)
     return kernel(q.contiguous(), kv.contiguous(), idx.contiguous())
 
 

@@ -13,9 +13,11 @@ upcast, grads through autograd). Error = ‖fused − ref‖ / ‖ref‖. Run wi
       routing flips under bf16-level changes: 0.16–0.37 logprob jumps measured on CPU for an exact
       bf16 attention), and only layer 0 computes top-k (IndexShare offset 1; its indexer reads the
       embeddings, so every layer sees the same top-k in both runs — still 8 of up to 150 keys).
-      Bound: the fp32 model's next-token logprobs move by ~7e-3 max when attention is exact but
-      merely rounded to bf16 (bf16_attention, measured in the test), so 2e-3 is below what any
-      bf16 kernel can reach here; the fused model must stay within 1.5× that floor (+1e-3);
+      The fp32 model feeds the kernels float16 (kernels/sparse_mla.kernel_dtype): exact attention
+      with its inputs and output rounded to bfloat16 already moves this model's logprobs by
+      ~7e-3 max, rounded to float16 by ~1.3e-3 (float16_attention / bf16_attention, measured in
+      the test). Bound: the issue's 2e-3 max |diff| (fused vs unfused), and within 1.5× the float16
+      floor (+3e-4);
   (c) short packed batches: sequences of 1–1000 tokens, totals not multiples of 64, all shorter
       than top-k 2048.
 """
@@ -139,11 +141,18 @@ def _packed_params(lengths):
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
 
-def bf16_attention(q, kv, topk, softmax_scale, v_dim, *, packed):
-    """What an exact bf16 attention would give: unfused on bf16-rounded q/kv, output rounded to
-    bf16 (the noise floor any bf16 kernel has in an fp32 model)."""
-    out = unfused_sparse_mla(q.bfloat16().float(), kv.bfloat16().float(), topk, softmax_scale, v_dim)
-    return out.bfloat16().to(q.dtype)
+def _rounded_attention(dtype):
+    def attention(q, kv, topk, softmax_scale, v_dim, *, packed):
+        out = unfused_sparse_mla(q.to(dtype).float(), kv.to(dtype).float(), topk, softmax_scale, v_dim)
+        return out.to(dtype).to(q.dtype)
+
+    attention.__doc__ = (f"Exact attention on {dtype}-rounded q/kv, output rounded to {dtype}: the noise "
+                         "floor of any kernel computing in that type, in an fp32 model.")
+    return attention
+
+
+bf16_attention = _rounded_attention(torch.bfloat16)
+float16_attention = _rounded_attention(torch.float16)
 
 
 def model_logprobs(path, backend, bf16=False, core_backend=None):
@@ -177,19 +186,21 @@ def model_logprobs(path, backend, bf16=False, core_backend=None):
 
 def test_tiny_model_tilelang_matches_megatron(kernel_tiny):
     """(b) fp32 model, forward + backward, thd with 4 packed sequences: the fused model against the
-    unfused one, next to the floor any bf16 attention has here (bf16_attention)."""
+    unfused one, next to the floors of exact attention rounded to float16 / bfloat16."""
     ref, ref_grads = model_logprobs(kernel_tiny, "megatron")
-    floor, floor_grads = model_logprobs(kernel_tiny, "megatron", core_backend=bf16_attention)
+    floor, floor_grads = model_logprobs(kernel_tiny, "megatron", core_backend=float16_attention)
+    bf16_floor, _ = model_logprobs(kernel_tiny, "megatron", core_backend=bf16_attention)
     fused, fused_grads = model_logprobs(kernel_tiny, "tilelang")
     diff = (fused - ref).abs()
     floor_diff = (floor - ref).abs()
     report("tiny_fp32", logprob_max_abs_diff=diff.max().item(), logprob_median_abs_diff=diff.median().item(),
-           floor_max=floor_diff.max().item(), floor_median=floor_diff.median().item(),
-           grads_rel=rel(fused_grads, ref_grads), floor_grads_rel=rel(floor_grads, ref_grads))
+           float16_floor_max=floor_diff.max().item(), float16_floor_median=floor_diff.median().item(),
+           bf16_floor_max=(bf16_floor - ref).abs().max().item(),
+           grads_rel=rel(fused_grads, ref_grads), float16_floor_grads_rel=rel(floor_grads, ref_grads))
     assert torch.isfinite(fused).all() and torch.isfinite(fused_grads).all()
-    assert diff.max().item() <= 1.5 * floor_diff.max().item() + 1e-3
-    assert diff.max().item() <= 2e-2
-    assert rel(fused_grads, ref_grads) <= min(TOL, 2 * rel(floor_grads, ref_grads) + 1e-3)
+    assert diff.max().item() <= 2e-3
+    assert diff.max().item() <= 1.5 * floor_diff.max().item() + 3e-4
+    assert rel(fused_grads, ref_grads) <= min(TOL, 3 * rel(floor_grads, ref_grads) + 5e-4)
 
 
 def test_tiny_model_bf16(kernel_tiny):

@@ -1,0 +1,216 @@
+"""Our sparse-MLA backward kernels (TileLang), written from the math, with a torch reference beside.
+
+Math (see sparse_mla_fwd.py for the forward; lse is saved there, in log2 units, scale folded in):
+    p[t,h,k]  = exp2(scale·log2e · q[t,h]·kv[idx[t,k]] − lse[t,h])       (0 for an empty slot)
+    delta     = Σ_c out[t,h,c] · dout[t,h,c]
+    ds        = p · (dout[t,h]·kv[idx[t,k], :512] − delta) · scale
+    dq[t,h]   = Σ_k ds[t,h,k] · kv[idx[t,k]]
+    dkv[j]   += Σ_{t,k: idx[t,k]=j} (Σ_h ds[t,h,k] · q[t,h])  +  (Σ_h p[t,h,k] · dout[t,h]) on :512
+
+Two kernels instead of one, so that no CTA has to hold both a dq and a dkv accumulator (the
+register budget that forces upstream's backward down to 32 heads and mma.sync tiles):
+  ds_kernel:  one CTA per (token, ≤64-head block), 256 threads. Walks the top-k in blocks of 64
+              gathered keys (cp.async via T.Pipelined), recomputes S = Q·Kᵀ, P from lse,
+              dP = dO·Vᵀ, dS; accumulates dq = dS·K in registers (64×576 fp32, wgmma) and writes
+              P and dS ([T, H, K], the input dtype) for the second kernel.
+  dkv_kernel: one CTA per token, all heads (≤ 64). Per block of 64 slots: dKV rows = dSᵀ·Q (576)
+              + Pᵀ·dO (:512) as M = 64 wgmma tiles with a reduction over heads, then one fp32
+              atomic add per element into dkv[idx] — one add per (token, slot, channel), half of
+              what two head blocks would issue.
+P and dS cost 2·T·H·K elements of scratch; `bwd` runs the kernels over token chunks so that
+scratch stays bounded (CHUNK_TOKENS) whatever the sequence length.
+
+Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
+(the fused backend feeds fp32 models through float16: 8× finer rounding, see sparse_mla.py).
+"""
+
+import functools
+import math
+
+import torch
+
+from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl
+
+CHUNK_TOKENS = 4096  # P + dS scratch per chunk: 2 · 4096 · H · K · 2 bytes (2.1 GB at H 64, K 2048)
+MAX_HEADS = 64  # dkv_kernel keeps every head of a token in shared memory
+
+
+def dq_dtype(dtype: str) -> str:
+    """dq's element type: fp32 behind float16 kernels (they serve fp32 models, which keep fp32
+    gradients), else the input type (a bf16 model; half the memory of an fp32 dq)."""
+    return "float32" if dtype == "float16" else dtype
+
+
+def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
+              threads: int = 256, num_stages: int | None = None):
+    tilelang, T = _tl()
+    hb = min(heads, 64)
+    # At 64 heads, Q (72 KB) + dO (64 KB) leave room for one 72 KB stage of 64 keys: measured
+    # faster than two stages of 32 keys (H200, 8K tokens: 16.0 vs 17.8 ms). Fewer heads: 2 stages.
+    num_stages = num_stages or (1 if hb == 64 else 2)
+    assert heads % hb == 0 and hb >= 16 and topk % block_i == 0
+    nhb, ni, c = heads // hb, topk // block_i, scale * LOG2E
+    dt, f32 = getattr(T, dtype), T.float32
+    n = T.dynamic("num_tokens")
+    nkv = T.dynamic("num_kv")
+
+    @T.prim_func
+    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32),
+             Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
+             P: T.Tensor([n, heads, topk], dt), dS: T.Tensor([n, heads, topk], dt),
+             dQ: T.Tensor([n, heads, D_QK], getattr(T, dq_dtype(dtype)))):
+        with T.Kernel(n * nhb, threads=threads) as bx:
+            q_s = T.alloc_shared([hb, D_V], dt)
+            qt_s = T.alloc_shared([hb, D_TAIL], dt)
+            do_s = T.alloc_shared([hb, D_V], dt)
+            k_s = T.alloc_shared([block_i, D_V], dt)
+            kt_s = T.alloc_shared([block_i, D_TAIL], dt)
+            ds_s = T.alloc_shared([hb, block_i], dt)
+            acc_s = T.alloc_fragment([hb, block_i], f32)
+            acc_dp = T.alloc_fragment([hb, block_i], f32)
+            acc_dq = T.alloc_fragment([hb, D_V], f32)
+            acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
+            lse = T.alloc_fragment([hb], f32)
+            delta = T.alloc_fragment([hb], f32)
+            t = bx // nhb
+            h0 = (bx % nhb) * hb
+            T.copy(Q[t, h0:h0 + hb, 0:D_V], q_s)
+            T.copy(Q[t, h0:h0 + hb, D_V:D_QK], qt_s)
+            T.copy(dO[t, h0:h0 + hb, :], do_s)
+            T.copy(Lse[t, h0:h0 + hb], lse)
+            T.copy(Delta[t, h0:h0 + hb], delta)
+            T.fill(acc_dq, 0)
+            T.fill(acc_dqt, 0)
+            for i in T.Pipelined(ni, num_stages=num_stages):
+                for r, d in T.Parallel(block_i, D_V):
+                    k_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), d]
+                for r, d in T.Parallel(block_i, D_TAIL):
+                    kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
+                for h, r in T.Parallel(hb, block_i):
+                    acc_s[h, r] = T.if_then_else(Idx[t, i * block_i + r] >= 0, 0, -T.infinity(f32))
+                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.clear(acc_dp)
+                T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for h, r in T.Parallel(hb, block_i):
+                    acc_s[h, r] = T.exp2(acc_s[h, r] * c - lse[h])  # p; empty slot: exp2(−inf) = 0
+                for h, r in T.Parallel(hb, block_i):
+                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale  # ds
+                T.copy(acc_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                T.copy(acc_dp, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
+            T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
+            T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
+
+    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, threads: int = 256,
+               num_stages: int = 2):
+    tilelang, T = _tl()
+    assert topk % block_k == 0 and 16 <= heads <= MAX_HEADS
+    nk = topk // block_k
+    dt, f32 = getattr(T, dtype), T.float32
+    n = T.dynamic("num_tokens")
+    nkv = T.dynamic("num_kv")
+
+    @T.prim_func
+    def main(Q: T.Tensor([n, heads, D_QK], dt), dO: T.Tensor([n, heads, D_V], dt),
+             Idx: T.Tensor([n, topk], T.int32), P: T.Tensor([n, heads, topk], dt),
+             dS: T.Tensor([n, heads, topk], dt), dKV: T.Tensor([nkv, D_QK], f32)):
+        with T.Kernel(n, threads=threads) as t:
+            q_s = T.alloc_shared([heads, D_V], dt)
+            qt_s = T.alloc_shared([heads, D_TAIL], dt)
+            do_s = T.alloc_shared([heads, D_V], dt)
+            p_s = T.alloc_shared([heads, block_k], dt)
+            ds_s = T.alloc_shared([heads, block_k], dt)
+            acc = T.alloc_fragment([block_k, D_V], f32)
+            acc_t = T.alloc_fragment([block_k, D_TAIL], f32)
+            T.copy(Q[t, :, 0:D_V], q_s)
+            T.copy(Q[t, :, D_V:D_QK], qt_s)
+            T.copy(dO[t, :, :], do_s)
+            for j in T.Pipelined(nk, num_stages=num_stages):
+                T.copy(P[t, :, j * block_k:(j + 1) * block_k], p_s)
+                T.copy(dS[t, :, j * block_k:(j + 1) * block_k], ds_s)
+                T.clear(acc)
+                T.clear(acc_t)
+                T.gemm(ds_s, q_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(p_s, do_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                for r, d in T.Parallel(block_k, D_V):
+                    if Idx[t, j * block_k + r] >= 0:
+                        T.atomic_add(dKV[Idx[t, j * block_k + r], d], acc[r, d])
+                for r, d in T.Parallel(block_k, D_TAIL):
+                    if Idx[t, j * block_k + r] >= 0:
+                        T.atomic_add(dKV[Idx[t, j * block_k + r], D_V + d], acc_t[r, d])
+
+    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+@functools.cache
+def get_ds_kernel(heads: int, topk: int, scale: float, dtype: str):
+    return ds_kernel(heads, topk, float(scale), dtype)
+
+
+@functools.cache
+def get_dkv_kernel(heads: int, topk: int, dtype: str):
+    return dkv_kernel(heads, topk, dtype)
+
+
+def _dtype_name(x: torch.Tensor) -> str:
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    if x.dtype not in names:
+        raise ValueError(f"our sparse-MLA kernels take bfloat16 or float16 q/kv; got {x.dtype}")
+    return names[x.dtype]
+
+
+def bwd(q, kv, out, dout, idx, lse, scale, chunk_tokens: int = CHUNK_TOKENS):
+    """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
+    from our forward or upstream's) → dq [T,H,576] (dq_dtype), dkv [Tkv,576] fp32.
+    H: a power of two ≥ 16; K a multiple of 64."""
+    t, h, _ = q.shape
+    k = idx.shape[1]
+    if h > MAX_HEADS:  # dkv_kernel keeps a token's heads in shared memory: one call per 64 heads
+        parts = [bwd(q[:, g:g + MAX_HEADS], kv, out[:, g:g + MAX_HEADS], dout[:, g:g + MAX_HEADS], idx,
+                     lse[:, g:g + MAX_HEADS], scale, chunk_tokens) for g in range(0, h, MAX_HEADS)]
+        return torch.cat([dq for dq, _ in parts], dim=1), sum(dkv for _, dkv in parts)
+    dtype = _dtype_name(q)
+    q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
+    delta = (out.float() * dout.float()).sum(-1)
+    lse = lse.float().contiguous()
+    ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
+    dq = torch.empty(t, h, D_QK, dtype=getattr(torch, dq_dtype(dtype)), device=q.device)
+    dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
+    rows = min(t, chunk_tokens)
+    p = torch.empty(rows, h, k, dtype=q.dtype, device=q.device)
+    ds = torch.empty_like(p)
+    for r0 in range(0, t, rows):
+        r1 = min(r0 + rows, t)
+        m = r1 - r0
+        ds_k(q[r0:r1], kv, dout[r0:r1], idx[r0:r1], lse[r0:r1], delta[r0:r1], p[:m], ds[:m], dq[r0:r1])
+        dkv_k(q[r0:r1], dout[r0:r1], idx[r0:r1], p[:m], ds[:m], dkv)
+    return dq, dkv
+
+
+def bwd_reference(q, kv, out, dout, idx, lse, scale, chunk=256):
+    """fp32 torch version of `bwd` (same arguments; lse in log2 units): (dq fp32, dkv fp32)."""
+    dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
+    kv32 = kv.float()
+    for r0 in range(0, q.shape[0], chunk):
+        i = idx[r0:r0 + chunk].long()
+        valid = i >= 0
+        keys = kv32[i.clamp(min=0)]
+        q32, do = q[r0:r0 + chunk].float(), dout[r0:r0 + chunk].float()
+        s = torch.einsum("thd,tkd->thk", q32, keys) * scale
+        p = torch.exp(s - lse[r0:r0 + chunk, :, None].float() * math.log(2.0)).masked_fill(~valid[:, None, :], 0.0)
+        delta = (out[r0:r0 + chunk].float() * do).sum(-1)
+        ds = p * (torch.einsum("thc,tkc->thk", do, keys[..., :D_V]) - delta[..., None]) * scale
+        dq[r0:r0 + chunk] = torch.einsum("thk,tkd->thd", ds, keys)
+        dkeys = torch.einsum("thk,thd->tkd", ds, q32)
+        dkeys[..., :D_V] += torch.einsum("thk,thc->tkc", p, do)
+        dkv.index_add_(0, i.clamp(min=0).reshape(-1), (dkeys * valid[..., None]).reshape(-1, D_QK))
+    return dq, dkv
