@@ -39,6 +39,8 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the mod
 import importlib  # noqa: E402
 
 iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
+from timing import times_ms  # noqa: E402  (benchmarks/timing.py)
+
 from glm5_bridge.kernels import sparse_mla_bwd as ours_bwd  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_fwd as ours_fwd  # noqa: E402
 
@@ -57,18 +59,9 @@ def emit(kind, **row):
 
 
 def median_ms(fn, reps, warmup=2):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), max(times) - min(times)
+    """(median, max − min) in ms."""
+    t = times_ms(fn, reps, warmup)
+    return statistics.median(t), max(t) - min(t)
 
 
 def causal_topk(lengths, k, gen):

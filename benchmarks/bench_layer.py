@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import times_ms  # noqa: E402  (benchmarks/timing.py, beside this script)
 
 ROWS = []
 
@@ -76,26 +77,8 @@ def batch(lengths, vocab, device):
 
 
 def timed(fn, reps, device):
-    fn()  # warm-up (kernel builds load from TileLang's cache)
-    if device == "cpu":
-        import time
-
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms after one warm-up call (kernel builds load from TileLang's cache)."""
+    return statistics.median(times_ms(fn, reps, warmup=1, device=device))
 
 
 def loss_of(model, mb):

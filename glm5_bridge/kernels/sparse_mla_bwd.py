@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl
+from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, scores_macro
 
 CHUNK_TOKENS = 4096  # P + dS scratch per chunk: 2 · 4096 · H · K · 2 bytes (2.1 GB at H 64, K 2048)
 MAX_HEADS = 64  # dkv_kernel keeps every head of a token in shared memory
@@ -53,6 +53,7 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
+    scores = scores_macro(T, hb, block_i)
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
@@ -83,14 +84,7 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
             T.fill(acc_dq, 0)
             T.fill(acc_dqt, 0)
             for i in T.Pipelined(ni, num_stages=num_stages):
-                for r, d in T.Parallel(block_i, D_V):
-                    k_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), d]
-                for r, d in T.Parallel(block_i, D_TAIL):
-                    kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
-                for h, r in T.Parallel(hb, block_i):
-                    acc_s[h, r] = T.if_then_else(Idx[t, i * block_i + r] >= 0, 0, -T.infinity(f32))
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.clear(acc_dp)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for h, r in T.Parallel(hb, block_i):

@@ -49,6 +49,23 @@ def _pass_configs(tilelang):
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
+def scores_macro(T, hb: int, block_i: int):
+    """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd.ds_kernel):
+    gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
+    memory as latent / rope parts, and acc_s = Q·Kᵀ over all 576 channels, −inf on empty slots."""
+    @T.macro
+    def scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s):
+        for r, d in T.Parallel(block_i, D_V):
+            k_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), d]
+        for r, d in T.Parallel(block_i, D_TAIL):
+            kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
+        for h, r in T.Parallel(hb, block_i):
+            acc_s[h, r] = T.if_then_else(Idx[t, i * block_i + r] >= 0, 0, -T.infinity(T.float32))
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+        T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+    return scores
+
+
 def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256, num_stages: int = 2,
                   dtype: str = "bfloat16"):
     tilelang, T = _tl()
@@ -59,6 +76,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
+    scores = scores_macro(T, hb, block_i)
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
@@ -85,14 +103,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
             T.fill(l, 0)
             T.fill(m, -(2.0**30))
             for i in T.Pipelined(ni, num_stages=num_stages):
-                for r, d in T.Parallel(block_i, D_V):
-                    k_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), d]
-                for r, d in T.Parallel(block_i, D_TAIL):
-                    kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
-                for h, r in T.Parallel(hb, block_i):
-                    acc_s[h, r] = T.if_then_else(Idx[t, i * block_i + r] >= 0, 0, -T.infinity(f32))
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.copy(m, m_old)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
                 for h in T.Parallel(hb):

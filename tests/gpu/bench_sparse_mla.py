@@ -13,6 +13,7 @@ import statistics
 import torch
 
 import glm5_bridge  # noqa: F401
+from benchmarks.timing import times_ms
 from glm5_bridge.attention.backends import get_backend
 from glm5_bridge.kernels import D_QK, D_V
 from glm5_bridge.kernels.reference import random_causal_topk
@@ -21,18 +22,8 @@ HEADS, TOPK, SCALE = 64, 2048, 1 / 16
 
 
 def median_ms(fn, reps):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), min(times), max(times)
+    t = times_ms(fn, reps)
+    return statistics.median(t), min(t), max(t)
 
 
 def case(lengths, backends):
