@@ -258,6 +258,8 @@ BWD_VARIANTS = {  # name → (ds_kernel kwargs, dkv_kernel kwargs); "default" is
     "default": ({}, {}),
     "ds_bi32_2stages": ({"block_i": 32, "num_stages": 2}, {}),
     "dkv_1stage": ({}, {"num_stages": 1}),
+    "dkv_plain_stores": ({}, {"write": "store"}),  # cost split only: racy stores, wrong dkv
+    "dkv_no_writes": ({}, {"write": "none"}),  # cost split only: GEMMs without the dkv write
 }
 
 
@@ -267,7 +269,7 @@ def build_bwd_variant(name, heads=64):
             ours_bwd.dkv_kernel(heads, TOPK, "bfloat16", **dkv_kw))
 
 
-def bench_bwd_parts(s=8192, heads=64, reps=5):
+def bench_bwd_parts(s=8192, heads=64, reps=5, variants=None):
     """Our backward's two kernels timed on their own (one token chunk of S), per variant."""
     gen = torch.Generator(device="cuda").manual_seed(s)
     q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
@@ -281,7 +283,7 @@ def bench_bwd_parts(s=8192, heads=64, reps=5):
     dq = torch.empty(s, heads, 576, device="cuda", dtype=q.dtype)  # dq_dtype("bfloat16")
     dkv = torch.zeros(s, 576, device="cuda")
     ref = None
-    for name in BWD_VARIANTS:
+    for name in variants or BWD_VARIANTS:
         try:
             ds_k, dkv_k = build_bwd_variant(name, heads)
             t_ds, _ = median_ms(lambda: ds_k(q, kv, dout, idx, lse, delta, p, ds, dq), reps)
@@ -422,6 +424,7 @@ def main():
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--variants", default="simple,ws")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--bwd-variants", default="", help="bwd_parts: comma-separated BWD_VARIANTS keys (default all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
     OUT_PATH = a.out
@@ -438,7 +441,7 @@ def main():
     if "sparse" in parts:
         bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], variants, a.reps)
     if "bwd_parts" in parts:
-        bench_bwd_parts()
+        bench_bwd_parts(variants=a.bwd_variants.split(",") if a.bwd_variants else None)
     if "indexer" in parts:
         bench_indexer([8192, 32768])
     if "compile" in parts:

@@ -103,8 +103,13 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
 
 
 def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, threads: int = 256,
-               num_stages: int = 2):
+               num_stages: int = 2, write: str = "atomic"):
+    """write: "atomic" (the kernel); "store" and "none" only split its cost for the benchmark
+    (bench_dsa.py bwd_parts): plain racy stores instead of atomic adds, or no dkv write at all
+    (behind a runtime condition that never holds, so the GEMMs stay)."""
     tilelang, T = _tl()
+    assert write in ("atomic", "store", "none")
+    first_written = 0 if write == "store" else 2**30  # "none": no index reaches 2^30
     assert topk % block_k == 0 and 16 <= heads <= MAX_HEADS
     nk = topk // block_k
     dt, f32 = getattr(T, dtype), T.float32
@@ -134,12 +139,20 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
                 T.gemm(ds_s, q_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(p_s, do_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, d in T.Parallel(block_k, D_V):
-                    if Idx[t, j * block_k + r] >= 0:
-                        T.atomic_add(dKV[Idx[t, j * block_k + r], d], acc[r, d])
-                for r, d in T.Parallel(block_k, D_TAIL):
-                    if Idx[t, j * block_k + r] >= 0:
-                        T.atomic_add(dKV[Idx[t, j * block_k + r], D_V + d], acc_t[r, d])
+                if write == "atomic":
+                    for r, d in T.Parallel(block_k, D_V):
+                        if Idx[t, j * block_k + r] >= 0:
+                            T.atomic_add(dKV[Idx[t, j * block_k + r], d], acc[r, d])
+                    for r, d in T.Parallel(block_k, D_TAIL):
+                        if Idx[t, j * block_k + r] >= 0:
+                            T.atomic_add(dKV[Idx[t, j * block_k + r], D_V + d], acc_t[r, d])
+                else:
+                    for r, d in T.Parallel(block_k, D_V):
+                        if Idx[t, j * block_k + r] >= first_written:
+                            dKV[Idx[t, j * block_k + r], d] = acc[r, d]
+                    for r, d in T.Parallel(block_k, D_TAIL):
+                        if Idx[t, j * block_k + r] >= first_written:
+                            dKV[Idx[t, j * block_k + r], D_V + d] = acc_t[r, d]
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
