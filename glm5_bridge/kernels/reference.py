@@ -1,5 +1,6 @@
 """The sparse-MLA kernels' two entry points in plain torch (fp32 math; the output in q's dtype and
-fp32 gradients, as our kernels return them): same arguments, same shapes, same log2 lse convention as `tilelang_ops()`.
+fp32 gradients, as our kernels return them): same arguments, same shapes, same log2 lse
+convention as `tilelang_ops()`.
 
 `SparseMLA.apply(q, kv, topk, scale, OPS)` runs the autograd glue (head / top-k padding, index
 conversion, the delta pre-pass, the dkv scatter) without a GPU; the CPU tests check it against the
