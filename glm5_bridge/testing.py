@@ -199,6 +199,11 @@ def load_hf(path: str | os.PathLike):
         hf_logging.set_verbosity(level)
 
 
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp32: the error measure of the kernel and backend tests."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def megatron_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] ids → [b, s, vocab] logits (bshd, causal, default positions)."""
     b, s = input_ids.shape

@@ -17,6 +17,7 @@ from glm5_bridge.attention.unfused import sparse_mla as unfused_sparse_mla
 from glm5_bridge.kernels import D_QK, D_V, SparseMLA
 from glm5_bridge.kernels import reference
 from glm5_bridge.testing import load_megatron, megatron_logits, megatron_packed_logits
+from glm5_bridge.testing import rel_error as _rel
 
 INSTALL_LINE = "dsa_attention_backend='tilelang' needs the tilelang package: pip install glm5-bridge[tilelang]"
 
@@ -27,10 +28,6 @@ def _inputs(lengths, heads, topk, seed=0, dtype=torch.float32):
     q = torch.randn(total, heads, D_QK, generator=g).to(dtype)
     kv = torch.randn(total, D_QK, generator=g).to(dtype)
     return q, kv, reference.random_causal_topk(lengths, topk, generator=g)
-
-
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _cores(model):

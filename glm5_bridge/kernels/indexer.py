@@ -84,9 +84,10 @@ def _ceil_to(x: int, tile: int) -> int:
 
 def reference_logits_kernel(heads: int, dim: int):
     """`logits_kernel` in torch, same arguments and output (for the CPU tests of the host code)."""
+    from glm5_bridge.attention.topk import index_scores
+
     def run(q, k, w, ks, ke, block_end, out):
-        s = torch.einsum("rhd,sd->rhs", q.view(-1, heads, dim).float(), k.float()).relu_()
-        s = torch.einsum("rhs,rh->rs", s, w.view(-1, heads))
+        s = index_scores(q.view(-1, heads, dim), k, w.view(-1, heads))
         cols = torch.arange(k.shape[0], device=k.device)[None]
         out.copy_(s.masked_fill((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf")))
 

@@ -291,9 +291,8 @@ VARIANTS = {
 
 @functools.cache
 def get_kernel(variant: str, heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
-    if dtype != "bfloat16":  # only "simple" is built for float16 too
-        return simple_kernel(heads, topk, float(scale), dtype=dtype)
-    return VARIANTS[variant](heads, topk, float(scale))
+    """The "ws" variants are bfloat16 only (`fwd` runs "simple" for float16)."""
+    return VARIANTS[variant](heads, topk, float(scale), **({} if dtype == "bfloat16" else {"dtype": dtype}))
 
 
 def fwd(q, kv, idx, scale, variant="simple"):

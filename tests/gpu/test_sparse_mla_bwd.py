@@ -14,6 +14,7 @@ import torch
 from glm5_bridge.kernels import sparse_mla_bwd as B
 from glm5_bridge.kernels import sparse_mla_fwd as F
 from glm5_bridge.kernels.reference import random_causal_topk
+from glm5_bridge.testing import rel_error as rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -21,10 +22,6 @@ SCALE, TOPK = 1 / 16, 2048
 CASES = [([1, 63, 1000, 130], 64, B.CHUNK_TOKENS), ([777], 16, B.CHUNK_TOKENS), ([300, 5], 128, B.CHUNK_TOKENS),
          ([1, 63, 1000, 130], 64, 500)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def inputs(lengths, heads, dtype):

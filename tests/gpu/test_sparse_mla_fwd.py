@@ -10,15 +10,12 @@ import torch
 
 from glm5_bridge.kernels import sparse_mla_fwd as F
 from glm5_bridge.kernels.reference import random_causal_topk
+from glm5_bridge.testing import rel_error as rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SCALE, TOPK = 1 / 16, 2048
 CASES = [([1, 63, 1000, 130], 64), ([777], 16), ([300, 5], 128), ([4096, 2500, 1700], 64)]
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("variant", sorted(F.VARIANTS))

@@ -33,6 +33,7 @@ from glm5_bridge.attention.backends import get_backend
 from glm5_bridge.attention.unfused import sparse_mla as unfused_sparse_mla
 from glm5_bridge.kernels import D_QK, D_V
 from glm5_bridge.kernels.reference import random_causal_topk
+from glm5_bridge.testing import rel_error as rel
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -53,10 +54,6 @@ def report(name, **values):
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"name": name, **values}) + "\n")
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def _free():
