@@ -6,10 +6,15 @@ ops vs a torch reference, with dense causal flash attention (torch SDPA) as the 
 
 Prints one `RESULT {json}` line per measurement and a table last; writes every row to --out.
 
-Sparse MLA (q [S,H,576], kv [S,576], top-k 2048 random causal, one sequence of S tokens):
-  ours      our fwd and bwd kernels (kernels/sparse_mla_fwd.py, sparse_mla_bwd.py), raw calls
+Sparse MLA (q [S,H,576], kv [S,576], top-k 2048 random causal, one sequence of S tokens; the
+slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns them):
+  ours      our fwd and bwd kernels (kernels/sparse_mla_fwd.py, sparse_mla_bwd.py), raw calls; they
+            skip a row's empty 64-slot blocks. `ours_interleaved`: the same kernels on the slots
+            as drawn (−1 interleaved: nothing to skip); `ours_fwd_noskip`: the forward built
+            without skipping (2-stage pipeline, the kernel of earlier runs)
   upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
-  iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs), GLM5_DSA_KERNELS=upstream and =ours
+  iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs, fed the interleaved
+            slots: its reordering is timed), GLM5_DSA_KERNELS=upstream and =ours
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
 FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
 share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)).
@@ -96,8 +101,9 @@ def upstream_mods():
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def check_fwd(variants):
-    """Our forward vs the fp32 torch reference (kernels/sparse_mla_fwd.fwd_reference)."""
+def check_fwd():
+    """Our forward vs the fp32 torch reference (kernels/sparse_mla_fwd.fwd_reference), on the slots
+    as drawn and used-first, and the non-skipping build."""
     cases = [([1, 63, 1000, 130], 64), ([777], 16), ([4096, 2500, 1700], 64), ([300, 5], 128)]
     ok = True
     for lengths, heads in cases:
@@ -110,12 +116,12 @@ def check_fwd(variants):
         rows = torch.randperm(total, device="cuda", generator=gen)[:384].sort().values
         rows = torch.unique(torch.cat([rows, torch.tensor([0, min(3, total - 1)], device="cuda")]))
         ref_o, ref_l = ours_fwd.fwd_reference(q[rows], kv, idx[rows], SCALE)
-        for v in variants:
-            if v.startswith("ws") and heads % 64:
-                continue
+        runs = {"used_first": lambda: ours_fwd.fwd(q, kv, used_first(idx), SCALE),
+                "interleaved": lambda: ours_fwd.fwd(q, kv, idx, SCALE),
+                "noskip": lambda: noskip_fwd(heads)(q, kv, idx, ours_fwd.active_slots(idx))}
+        for name, run in runs.items():
             try:
-                o = torch.full((total, heads, 512), float("nan"), device="cuda", dtype=torch.bfloat16)
-                o, lse = ours_fwd.fwd(q, kv, idx, SCALE, variant=v)
+                o, lse = run()
                 torch.cuda.synchronize()
                 eo, el = rel(o[rows], ref_o), rel(lse[rows], ref_l)
                 finite = bool(torch.isfinite(o).all() and torch.isfinite(lse).all())
@@ -124,11 +130,27 @@ def check_fwd(variants):
             except Exception as e:  # noqa: BLE001
                 eo = el = float("nan")
                 finite = empty_zero = good = False
-                print(f"check {v} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                print(f"check {name} failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             ok &= good
-            emit("check_fwd", variant=v, lengths="+".join(map(str, lengths)), heads=heads, out_rel=eo,
+            emit("check_fwd", slots=name, lengths="+".join(map(str, lengths)), heads=heads, out_rel=eo,
                  lse_rel=el, finite=finite, empty_row_zero=empty_zero, passed=good)
     return ok
+
+
+def used_first(idx):
+    """The slots reordered as SparseMLA passes them to the kernels (used first, −1 after)."""
+    return iface.kernel_indices(idx)[0, :, 0]
+
+
+def noskip_fwd(heads):
+    """Our forward built to walk every top-k block (2-stage pipeline): the pre-skipping kernel."""
+    key = ("noskip", heads)
+    if key not in _BUILT:
+        _BUILT[key] = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=False)
+    return _BUILT[key]
+
+
+_BUILT = {}
 
 
 def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
@@ -155,14 +177,15 @@ def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
 
 
 # ---------------------------------------------------------------------------------------------- sparse
-def bench_sparse(seqs, heads_list, variants, reps):
+def bench_sparse(seqs, heads_list, reps):
     fwd_mod, bwd_mod = upstream_mods()
     for s in seqs:
         for heads in heads_list:
             gen = torch.Generator(device="cuda").manual_seed(s + heads)
             q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
             kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
-            idx = causal_topk([s], TOPK, gen)
+            idx_drawn = causal_topk([s], TOPK, gen)
+            idx = used_first(idx_drawn)
             dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
             useful = sum(min(t + 1, TOPK) for t in range(s)) / (s * TOPK)
             f_fl, b_fl = 2 * s * heads * TOPK * 1088, 2 * s * heads * TOPK * 2752
@@ -194,43 +217,38 @@ def bench_sparse(seqs, heads_list, variants, reps):
             tb, sb = median_ms(ub, max(3, reps // 2))
             row("upstream", tf, sf, tb, sb)
 
-            # ours: raw kernel calls (fwd variants; bwd = ours_ops' bwd)
-            lse_ours = None
-            for v in variants:
-                if v.startswith("ws") and heads % 64:
-                    continue
-                try:
-                    of = lambda v=v: ours_fwd.fwd(q, kv, idx, SCALE, variant=v)  # noqa: E731
-                    tf, sf = median_ms(of, reps)
-                    o_ours, lse_ours = of()
-                    row(f"ours_{v}", tf, sf, out_vs_upstream=rel(o_ours, o_up[0]))
-                except Exception as e:  # noqa: BLE001
-                    print(f"ours_{v} S={s} H={heads}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            # ours: raw kernel calls on the used-first slots and on the slots as drawn
             ops = iface.ours_ops()
-            if ops.bwd_is_ours and lse_ours is not None:
-                ob = lambda: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512), idx4,  # noqa: E731
-                                     lse_ours.view(1, s, heads), SCALE)
+            for name, ix in (("ours", idx), ("ours_interleaved", idx_drawn)):
+                of = lambda ix=ix: ours_fwd.fwd(q, kv, ix, SCALE)  # noqa: E731
+                tf, sf = median_ms(of, reps)
+                o_ours, lse_ours = of()
+                ob = lambda ix=ix: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512),  # noqa: E731
+                                           ix.view(1, s, 1, TOPK), lse_ours.view(1, s, heads), SCALE)
                 tb, sb = median_ms(ob, max(3, reps // 2))
-                row("ours_bwd", bwd_ms=tb, bwd_sp=sb)
+                row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours, o_up[0]))
+            cnt = ours_fwd.active_slots(idx_drawn)
+            nf = lambda: noskip_fwd(heads)(q, kv, idx_drawn, cnt)  # noqa: E731
+            tf, sf = median_ms(nf, reps)
+            row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0]))
 
             # the autograd path the model runs (default ops), fwd and fwd+bwd
             qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
 
             def iff():
                 with torch.no_grad():
-                    iface.sparse_mla(qg, kvg, idx, SCALE)
+                    iface.sparse_mla(qg, kvg, idx_drawn, SCALE)
 
             def ifb():
                 qg.grad = kvg.grad = None
-                iface.sparse_mla(qg, kvg, idx, SCALE).backward(dout)
+                iface.sparse_mla(qg, kvg, idx_drawn, SCALE).backward(dout)
 
             for kern in ("upstream", "ours"):
                 os.environ[iface.KERNELS_ENV] = kern
                 try:
                     tf, sf = median_ms(iff, reps)
                     tfb, sfb = median_ms(ifb, max(3, reps // 2))
-                    row(f"iface[{kern}]", tf, sf, tfb - tf, sfb,
-                        fwd_variant=iface.OURS_FWD_VARIANT if kern == "ours" else "upstream")
+                    row(f"iface[{kern}]", tf, sf, tfb - tf, sfb)
                 except Exception as e:  # noqa: BLE001
                     print(f"iface[{kern}] S={s} H={heads}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 finally:
@@ -249,17 +267,16 @@ def bench_sparse(seqs, heads_list, variants, reps):
 
                 tf, sf = median_ms(tref, 3, warmup=1)
                 row("torch_bf16_chunked", tf, sf)
-            del q, kv, idx, dout, qg, kvg
+            del q, kv, idx, idx_drawn, dout, qg, kvg
             torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- bwd parts
 BWD_VARIANTS = {  # name → (ds_kernel kwargs, dkv_kernel kwargs); "default" is what bwd() runs
     "default": ({}, {}),
-    "ds_bi32_2stages": ({"block_i": 32, "num_stages": 2}, {}),
-    "dkv_1stage": ({}, {"num_stages": 1}),
     "dkv_plain_stores": ({}, {"write": "store"}),  # cost split only: racy stores, wrong dkv
     "dkv_no_writes": ({}, {"write": "none"}),  # cost split only: GEMMs without the dkv write
+    "dkv_one_part": ({}, {"col_parts": 1}),  # one CTA per token for all 576 channels (run F)
 }
 
 
@@ -274,7 +291,8 @@ def bench_bwd_parts(s=8192, heads=64, reps=5, variants=None):
     gen = torch.Generator(device="cuda").manual_seed(s)
     q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
     kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
-    idx = causal_topk([s], TOPK, gen)
+    idx = used_first(causal_topk([s], TOPK, gen))
+    cnt = ours_fwd.active_slots(idx)
     dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
     out, lse = ours_fwd.fwd(q, kv, idx, SCALE)
     delta = (out.float() * dout.float()).sum(-1)
@@ -286,11 +304,11 @@ def bench_bwd_parts(s=8192, heads=64, reps=5, variants=None):
     for name in variants or BWD_VARIANTS:
         try:
             ds_k, dkv_k = build_bwd_variant(name, heads)
-            t_ds, _ = median_ms(lambda: ds_k(q, kv, dout, idx, lse, delta, p, ds, dq), reps)
-            t_dkv, _ = median_ms(lambda: dkv_k(q, dout, idx, p, ds, dkv), reps)
+            t_ds, _ = median_ms(lambda: ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq), reps)
+            t_dkv, _ = median_ms(lambda: dkv_k(q, dout, idx, cnt, p, ds, dkv), reps)
             dkv.zero_()
-            ds_k(q, kv, dout, idx, lse, delta, p, ds, dq)
-            dkv_k(q, dout, idx, p, ds, dkv)
+            ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq)
+            dkv_k(q, dout, idx, cnt, p, ds, dkv)
             res = (dq.clone(), dkv.clone())
             ref = ref or res
             emit("bwd_parts", variant=name, S=s, H=heads, ds_ms=round(t_ds, 3), dkv_ms=round(t_dkv, 3),
@@ -358,7 +376,7 @@ def bench_compile(heads=64, n=20):
     lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
     def ours_builds():
         return (ours_fwd.get_kernel.cache_info().misses + ours_bwd.get_ds_kernel.cache_info().misses
-                + ours_bwd.get_dkv_kernel.cache_info().misses)
+                + ours_bwd.get_dkv_kernel.cache_info().misses + ours_bwd.get_delta_kernel.cache_info().misses)
 
     def upstream_builds():
         return len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
@@ -422,24 +440,22 @@ def main():
     ap.add_argument("--parts", default="check,sparse,bwd_parts,indexer,compile,dense")
     ap.add_argument("--seqs", default="4096,8192,16384")
     ap.add_argument("--heads", default="16,64")
-    ap.add_argument("--variants", default="simple,ws")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--bwd-variants", default="", help="bwd_parts: comma-separated BWD_VARIANTS keys (default all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
     OUT_PATH = a.out
     parts = a.parts.split(",")
-    variants = a.variants.split(",")
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     if "check" in parts:
-        ok = check_fwd(variants)
+        ok = check_fwd()
         print("forward checks passed" if ok else "FORWARD CHECK FAILED", flush=True)
         try:
             check_bwd_ours()
         except Exception as e:  # noqa: BLE001
             print(f"iface ours check failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
     if "sparse" in parts:
-        bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], variants, a.reps)
+        bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], a.reps)
     if "bwd_parts" in parts:
         bench_bwd_parts(variants=a.bwd_variants.split(",") if a.bwd_variants else None)
     if "indexer" in parts:

@@ -11,16 +11,17 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv | tee "$out/gpu.txt"
 start=$(date +%s)
 pre='import sys, types; p = types.ModuleType("glm5_bridge"); p.__path__ = ["glm5_bridge"]; sys.modules["glm5_bridge"] = p; sys.path.insert(0, "benchmarks")
-from glm5_bridge.kernels import sparse_mla_fwd as F, sparse_mla_bwd as B, sparse_mla as S
+import importlib; from glm5_bridge.kernels import sparse_mla_fwd as F, sparse_mla_bwd as B
+S = importlib.import_module("glm5_bridge.kernels.sparse_mla")  # the package exports a function of that name
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as uf, tilelang_sparse_mla_bwd as ub
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_indexer_fwd as ui'
 jobs=(
-  "F.get_kernel('simple', 64, 2048, 1/16)"
-  "F.get_kernel('simple', 16, 2048, 1/16)"
+  "F.get_kernel(64, 2048, 1/16)"
+  "F.get_kernel(16, 2048, 1/16)"
   "B.get_ds_kernel(64, 2048, 1/16, 'bfloat16')"
-  "B.get_dkv_kernel(64, 2048, 'bfloat16')"
+  "B.get_dkv_kernel(64, 2048, 'bfloat16'); B.get_delta_kernel(64, 'bfloat16'); B.get_delta_kernel(16, 'bfloat16')"
   "B.get_ds_kernel(16, 2048, 1/16, 'bfloat16'); B.get_dkv_kernel(16, 2048, 'bfloat16')"
-  "F.get_kernel('ws', 64, 2048, 1/16)"
+  "import bench_dsa; bench_dsa.noskip_fwd(64); bench_dsa.noskip_fwd(16)"
   "S.compile_kernels(64, 2048, 1/16, parts=('fwd',), kernels='upstream')"
   "S.compile_kernels(64, 2048, 1/16, parts=('bwd',), kernels='upstream')"
   "S.compile_kernels(16, 2048, 1/16, parts=('fwd',), kernels='upstream')"
@@ -28,8 +29,9 @@ jobs=(
   "S.compile_kernels(64, 2048, 1/16, parts=('delta',), kernels='upstream'); S.compile_kernels(16, 2048, 1/16, parts=('delta', 'post'), kernels='upstream')"
   "ui._get_indexer_fwd_kernel(32, 128); ui._get_clean_logits_kernel()"
   "from glm5_bridge.kernels import indexer as I; I.get_logits_kernel(32, 128)"
-  "import bench_dsa; bench_dsa.build_bwd_variant('ds_bi32_2stages')"
-  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_1stage')"
+  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_plain_stores')"
+  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_no_writes')"
+  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_one_part')"
 )
 pids=()
 i=0

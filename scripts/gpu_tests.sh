@@ -31,7 +31,7 @@ i=0
 jobs=()
 for shape in "64,2048,1/16" "16,2048,1/16" "4,8,1/math.sqrt(80)"; do
     for dtype in bfloat16 float16; do
-        for part in fwd ds dkv; do jobs+=("$shape,parts=('$part',),dtype=torch.$dtype"); done
+        for part in fwd ds dkv delta; do jobs+=("$shape,parts=('$part',),dtype=torch.$dtype"); done
     done
 done
 jobs+=("128,2048,1/16,parts=('fwd',)" "64,2048,1/16,kernels='upstream'")

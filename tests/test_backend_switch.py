@@ -113,6 +113,28 @@ def test_tilelang_backend_validates_inputs():
         fn(q[None], kv, topk, 0.1, D_V, packed=True)
 
 
+def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
+    from glm5_bridge.kernels.sparse_mla import kernel_indices
+    from glm5_bridge.kernels.sparse_mla_fwd import active_slots
+
+    lengths = [70, 1, 130]
+    topk = reference.random_causal_topk(lengths, 100, generator=torch.Generator().manual_seed(3))
+    topk[4, 7] = -5  # any negative index is an empty slot
+    idx = kernel_indices(topk)[0, :, 0]
+    assert idx.shape == (201, 128) and idx.dtype == torch.int32
+    for row, got in zip(topk, idx):
+        used = row[row >= 0]
+        n = len(used)
+        assert torch.equal(got[:n].long(), used)  # same keys, same order, first
+        assert (got[n:] == -1).all()  # every empty slot is exactly -1, after them
+    n_used = (topk >= 0).sum(1)
+    assert n_used.min() == 1 and n_used.max() == 100  # rows from 1 visible key to a full top-k
+    assert torch.equal(active_slots(idx).long(), n_used)
+    # on the slots as drawn (-1 interleaved) the kernels walk up to the last used slot
+    assert torch.equal(active_slots(topk.int()).long(), 100 - (topk >= 0).flip(1).int().argmax(1))
+    assert active_slots(torch.full((2, 64), -1, dtype=torch.int32)).tolist() == [0, 0]
+
+
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
 def test_fused_autograd_glue_matches_unfused(heads, topk):
     lengths = [20, 17, 13]

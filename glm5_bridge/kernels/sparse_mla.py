@@ -16,7 +16,7 @@ import torch
 
 D_QK = 576  # kv_lora_rank 512 ‖ qk_rope_head_dim 64
 D_V = 512  # the value is the latent part of kv
-TOPK_TILE = 64  # the forward kernel walks the top-k slots 64 at a time (backward: 32)
+TOPK_TILE = 64  # our kernels (and upstream's forward) walk the top-k slots 64 at a time
 MIN_HEADS = 16  # head tile: the kernels index heads in tiles of a power of two ≥ 16, unguarded
 
 INSTALL_HINT = "pip install glm5-bridge[tilelang]"
@@ -39,7 +39,6 @@ def require_tilelang() -> None:
 
 KERNELS_ENV = "GLM5_DSA_KERNELS"  # "ours" (default) or "upstream"
 DEFAULT_KERNELS = "ours"
-OURS_FWD_VARIANT = "simple"  # kernels/sparse_mla_fwd.VARIANTS key used by ours_ops()
 
 
 def default_kernels() -> str:
@@ -64,12 +63,8 @@ def tilelang_ops() -> SimpleNamespace:
     return ours_ops() if default_kernels() == "ours" else upstream_ops()
 
 
-def ours_ops(fwd_variant: str | None = None) -> SimpleNamespace:
-    return _ours_ops(fwd_variant or OURS_FWD_VARIANT)
-
-
 @functools.cache
-def _ours_ops(fwd_variant: str) -> SimpleNamespace:
+def ours_ops() -> SimpleNamespace:
     """Our kernels: dynamic token count (one build for every length, no padding copies), bfloat16
     or float16, the backward reading the forward's lse instead of recomputing it."""
     require_tilelang()
@@ -77,8 +72,7 @@ def _ours_ops(fwd_variant: str) -> SimpleNamespace:
 
     def fwd(q, kv, idx, scale):
         _, t, h, _ = q.shape
-        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale,
-                                      variant=fwd_variant)
+        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale)
         return out.view(1, t, h, D_V), lse.view(1, t, h)
 
     def bwd(q, kv, out, dout, idx, lse, scale):
@@ -131,11 +125,18 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return padded
 
 
-def _kernel_indices(topk: torch.Tensor) -> torch.Tensor:
-    """[T, K] integer flat indices → [1, T, 1, Kp] int32, every empty slot exactly −1."""
+def kernel_indices(topk: torch.Tensor) -> torch.Tensor:
+    """[T, K] integer flat indices → [1, T, 1, Kp] int32, every empty slot exactly −1 and after
+    every used one (used slots keep their order). Our kernels stop at a row's last used 64-slot
+    block, so a query that sees fewer than K keys (the first K tokens of every sequence) costs
+    only its own keys, whatever order the indices came in (select_topk already puts −1 last; a
+    replayed top-k need not). Attention does not depend on slot order."""
     t, k = topk.shape
+    used = topk >= 0
+    n_used = used.sum(1, keepdim=True, dtype=torch.int32)
+    slot = torch.where(used, used.cumsum(1, dtype=torch.int32) - 1, n_used + (~used).cumsum(1, dtype=torch.int32) - 1)
     idx = torch.full((t, kernel_topk(k)), -1, dtype=torch.int32, device=topk.device)
-    idx[:, :k] = topk.clamp(min=-1)
+    idx.scatter_(1, slot.long(), topk.clamp(min=-1).to(torch.int32))
     return idx.view(1, t, 1, -1)
 
 
@@ -177,7 +178,7 @@ class SparseMLA(torch.autograd.Function):
         t, h, _ = q.shape
         q4 = _pad_heads(q.to(dtype), kernel_heads(h))
         kv4 = kv.to(dtype).contiguous().view(1, t, 1, D_QK)
-        idx4 = _kernel_indices(topk)
+        idx4 = kernel_indices(topk)
         out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale)
         out = out4[0, :, :h]
         ctx.save_for_backward(q4, kv4, idx4, out, lse)
@@ -240,7 +241,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
-    Parts: ours ("fwd", "ds", "dkv"), upstream ("fwd", "delta", "bwd", "post"); default all."""
+    Parts: ours ("fwd", "ds", "dkv", "delta"), upstream ("fwd", "delta", "bwd", "post"); default all."""
     kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
@@ -249,9 +250,10 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         hb = min(hk, sparse_mla_bwd.MAX_HEADS)  # the backward runs in groups of ≤ 64 heads
-        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(OURS_FWD_VARIANT, hk, kp, scale, name),
+        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
                     "ds": lambda: sparse_mla_bwd.get_ds_kernel(hb, kp, scale, name),
-                    "dkv": lambda: sparse_mla_bwd.get_dkv_kernel(hb, kp, name)}
+                    "dkv": lambda: sparse_mla_bwd.get_dkv_kernel(hb, kp, name),
+                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hb, name)}
     else:
         upstream_ops()
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod

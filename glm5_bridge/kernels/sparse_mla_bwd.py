@@ -7,16 +7,21 @@ Math (see sparse_mla_fwd.py for the forward; lse is saved there, in log2 units, 
     dq[t,h]   = Σ_k ds[t,h,k] · kv[idx[t,k]]
     dkv[j]   += Σ_{t,k: idx[t,k]=j} (Σ_h ds[t,h,k] · q[t,h])  +  (Σ_h p[t,h,k] · dout[t,h]) on :512
 
-Two kernels instead of one, so that no CTA has to hold both a dq and a dkv accumulator (the
-register budget that forces upstream's backward down to 32 heads and mma.sync tiles):
+delta_kernel computes delta (fp32, one read of out and dout). Then two kernels instead of one, so
+that no CTA has to hold both a dq and a dkv accumulator (the register budget that forces
+upstream's backward down to 32 heads and mma.sync tiles):
   ds_kernel:  one CTA per (token, ≤64-head block), 256 threads. Walks the top-k in blocks of 64
               gathered keys (cp.async via T.Pipelined), recomputes S = Q·Kᵀ, P from lse,
               dP = dO·Vᵀ, dS; accumulates dq = dS·K in registers (64×576 fp32, wgmma) and writes
               P and dS ([T, H, K], the input dtype) for the second kernel.
-  dkv_kernel: one CTA per token, all heads (≤ 64). Per block of 64 slots: dKV rows = dSᵀ·Q (576)
-              + Pᵀ·dO (:512) as M = 64 wgmma tiles with a reduction over heads, then one fp32
-              atomic add per element into dkv[idx] — one add per (token, slot, channel), half of
-              what two head blocks would issue.
+  dkv_kernel: one CTA per token and half of the channels, all heads (≤ 64). Per block of 64
+              slots: dKV rows = dSᵀ·Q (576) + Pᵀ·dO (:512) as M = 64 wgmma tiles with a reduction
+              over heads, staged in shared memory, then one fp32 atomic add per element into
+              dkv[idx], 16 bytes per thread along a row — one add per (token, slot, channel),
+              half of what two head blocks would issue; two CTAs per SM overlap GEMMs and adds.
+              The adds are its floor: ~2.9 TB/s of scattered fp32 row updates, limited per SM
+              (the time scales with 1/SMs), the same with plain stores (docs/kernels.md).
+Both walk only a token's active slot blocks (sparse_mla_fwd.active_slots).
 P and dS cost 2·T·H·K elements of scratch; `bwd` runs the kernels over token chunks so that
 scratch stays bounded (CHUNK_TOKENS) whatever the sequence length.
 
@@ -29,7 +34,7 @@ import math
 
 import torch
 
-from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, scores_macro
+from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
 CHUNK_TOKENS = 4096  # P + dS scratch per chunk: 2 · 4096 · H · K · 2 bytes (2.1 GB at H 64, K 2048)
 MAX_HEADS = 64  # dkv_kernel keeps every head of a token in shared memory
@@ -45,11 +50,12 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
               threads: int = 256, num_stages: int | None = None):
     tilelang, T = _tl()
     hb = min(heads, 64)
-    # At 64 heads, Q (72 KB) + dO (64 KB) leave room for one 72 KB stage of 64 keys: measured
-    # faster than two stages of 32 keys (H200, 8K tokens: 16.0 vs 17.8 ms). Fewer heads: 2 stages.
-    num_stages = num_stages or (1 if hb == 64 else 2)
+    # One stage: at 64 heads Q (72 KB) + dO (64 KB) leave room for one 72 KB stage of 64 keys
+    # (measured faster than two stages of 32 keys, H200, 8K tokens: 16.0 vs 17.8 ms); and the
+    # run-time trip count allows no deeper pipeline (sparse_mla_fwd.SKIP_NOTE).
+    num_stages = num_stages or 1
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0
-    nhb, ni, c = heads // hb, topk // block_i, scale * LOG2E
+    nhb, c = heads // hb, scale * LOG2E
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
@@ -57,7 +63,7 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32),
+             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
              Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
              P: T.Tensor([n, heads, topk], dt), dS: T.Tensor([n, heads, topk], dt),
              dQ: T.Tensor([n, heads, D_QK], getattr(T, dq_dtype(dtype)))):
@@ -83,7 +89,7 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
             T.copy(Delta[t, h0:h0 + hb], delta)
             T.fill(acc_dq, 0)
             T.fill(acc_dqt, 0)
-            for i in T.Pipelined(ni, num_stages=num_stages):
+            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=num_stages):
                 scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.clear(acc_dp)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -102,59 +108,117 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
 
-def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, threads: int = 256,
-               num_stages: int = 2, write: str = "atomic"):
-    """write: "atomic" (the kernel); "store" and "none" only split its cost for the benchmark
+def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, col_parts: int = 2,
+               cols: int | None = None, threads: int = 256, num_stages: int = 1, write: str = "atomic"):
+    """One CTA per (token, part of the 512 latent channels), all heads; the last part also does
+    the 64 rope channels. Per block of 64 slots and per `cols`-wide slice of its channels:
+    dKV rows = dSᵀ·Q + Pᵀ·dO as an M = 64 wgmma tile summed over heads, staged in shared memory,
+    then added row by row — a warp adds contiguous bytes of one row with 16-byte atomics
+    (red.global.add.v4.f32).
+    col_parts=2 halves a CTA's shared memory (Q and dO halves: 105 KB) so two CTAs share an SM
+    and one's GEMMs overlap the other's atomics; col_parts=1 (one CTA per token, 186 KB, GEMMs
+    and atomics in turn) is the earlier kernel. Adding straight from the accumulator fragments
+    (32-byte pieces of 8 rows per warp instruction) took 15.2 ms at 8K tokens × 64 heads against
+    11.9 ms staged (col_parts=1); a TMA bulk reduce-add per staged row 16.1 ms (docs/kernels.md).
+    write: "atomic" (the kernel); "store" and "none" only split its cost for the benchmark
     (bench_dsa.py bwd_parts): plain racy stores instead of atomic adds, or no dkv write at all
-    (behind a runtime condition that never holds, so the GEMMs stay)."""
+    (behind a run-time condition that never holds, so the GEMMs stay)."""
     tilelang, T = _tl()
     assert write in ("atomic", "store", "none")
     first_written = 0 if write == "store" else 2**30  # "none": no index reaches 2^30
-    assert topk % block_k == 0 and 16 <= heads <= MAX_HEADS
-    nk = topk // block_k
+    cols = cols or (128 if col_parts == 1 else 64)  # the stage must leave two CTAs room at 2 parts
+    width = D_V // col_parts  # latent channels per CTA
+    assert topk % block_k == 0 and 16 <= heads <= MAX_HEADS and width % cols == 0 and D_TAIL <= cols
+    nc = width // cols
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
 
+    @T.macro
+    def add_rows(dKV, idx_s, stage, c0, w):
+        if write == "atomic":
+            for r, d in T.Parallel(block_k, w):
+                if idx_s[r] >= 0:
+                    T.atomic_add(dKV[idx_s[r], c0 + d], stage[r, d])
+        else:
+            for r, d in T.Parallel(block_k, w):
+                if idx_s[r] >= first_written:
+                    dKV[idx_s[r], c0 + d] = stage[r, d]
+
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), dO: T.Tensor([n, heads, D_V], dt),
-             Idx: T.Tensor([n, topk], T.int32), P: T.Tensor([n, heads, topk], dt),
+             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32), P: T.Tensor([n, heads, topk], dt),
              dS: T.Tensor([n, heads, topk], dt), dKV: T.Tensor([nkv, D_QK], f32)):
-        with T.Kernel(n, threads=threads) as t:
-            q_s = T.alloc_shared([heads, D_V], dt)
+        with T.Kernel(n, col_parts, threads=threads) as (t, part):
+            c0 = part * width
+            q_s = T.alloc_shared([heads, width], dt)
             qt_s = T.alloc_shared([heads, D_TAIL], dt)
-            do_s = T.alloc_shared([heads, D_V], dt)
+            do_s = T.alloc_shared([heads, width], dt)
             p_s = T.alloc_shared([heads, block_k], dt)
             ds_s = T.alloc_shared([heads, block_k], dt)
-            acc = T.alloc_fragment([block_k, D_V], f32)
+            # the block's key indices, prefetched with P and dS instead of read from global memory
+            # before each add (measured: no change with atomics, 11.60 vs 11.65 ms; plain stores 5 %)
+            idx_s = T.alloc_shared([block_k], T.int32)
+            # rows padded by 4 floats: the accumulator's 8-row store pattern then hits 8 different
+            # bank groups (an unpadded 128-float row stride puts all 8 rows on the same banks)
+            stage = T.alloc_shared([block_k, cols + 4], f32)
+            acc = T.alloc_fragment([block_k, cols], f32)
             acc_t = T.alloc_fragment([block_k, D_TAIL], f32)
-            T.copy(Q[t, :, 0:D_V], q_s)
+            T.copy(Q[t, :, c0:c0 + width], q_s)
             T.copy(Q[t, :, D_V:D_QK], qt_s)
-            T.copy(dO[t, :, :], do_s)
-            for j in T.Pipelined(nk, num_stages=num_stages):
+            T.copy(dO[t, :, c0:c0 + width], do_s)
+            for j in T.Pipelined(T.ceildiv(Cnt[t], block_k), num_stages=num_stages):
                 T.copy(P[t, :, j * block_k:(j + 1) * block_k], p_s)
                 T.copy(dS[t, :, j * block_k:(j + 1) * block_k], ds_s)
-                T.clear(acc)
-                T.clear(acc_t)
-                T.gemm(ds_s, q_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(p_s, do_s, acc, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                if write == "atomic":
-                    for r, d in T.Parallel(block_k, D_V):
-                        if Idx[t, j * block_k + r] >= 0:
-                            T.atomic_add(dKV[Idx[t, j * block_k + r], d], acc[r, d])
-                    for r, d in T.Parallel(block_k, D_TAIL):
-                        if Idx[t, j * block_k + r] >= 0:
-                            T.atomic_add(dKV[Idx[t, j * block_k + r], D_V + d], acc_t[r, d])
-                else:
-                    for r, d in T.Parallel(block_k, D_V):
-                        if Idx[t, j * block_k + r] >= first_written:
-                            dKV[Idx[t, j * block_k + r], d] = acc[r, d]
-                    for r, d in T.Parallel(block_k, D_TAIL):
-                        if Idx[t, j * block_k + r] >= first_written:
-                            dKV[Idx[t, j * block_k + r], D_V + d] = acc_t[r, d]
+                T.copy(Idx[t, j * block_k:(j + 1) * block_k], idx_s)
+                for c in T.serial(nc):
+                    T.clear(acc)
+                    T.gemm(ds_s, q_s[:, c * cols:(c + 1) * cols], acc, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(p_s, do_s[:, c * cols:(c + 1) * cols], acc, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(acc, stage[:, 0:cols])
+                    add_rows(dKV, idx_s, stage, c0 + c * cols, cols)
+                if part == col_parts - 1:
+                    T.clear(acc_t)
+                    T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(acc_t, stage[:, 0:D_TAIL])
+                    add_rows(dKV, idx_s, stage, D_V, D_TAIL)
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int = 128):
+    """delta[t, h] = Σ_c out[t, h, c] · dout[t, h, c] in fp32, one CTA per (token, 16 heads).
+    In torch (out.float() * dout.float()).sum(-1) moves ~7 GB at 8K tokens × 64 heads (≈ 2 ms);
+    this reads the two bf16 tensors once (1 GB)."""
+    tilelang, T = _tl()
+    hb = min(hb, heads)
+    assert heads % hb == 0
+    dt, f32 = getattr(T, dtype), T.float32
+    n = T.dynamic("num_tokens")
+
+    @T.prim_func
+    def main(O: T.Tensor([n, heads, D_V], dt), dO: T.Tensor([n, heads, D_V], dt),
+             Delta: T.Tensor([n, heads], f32)):
+        with T.Kernel(n, heads // hb, threads=threads) as (t, g):
+            o = T.alloc_fragment([hb, D_V], dt)
+            do = T.alloc_fragment([hb, D_V], dt)
+            prod = T.alloc_fragment([hb, D_V], f32)
+            d = T.alloc_fragment([hb], f32)
+            T.copy(O[t, g * hb:(g + 1) * hb, :], o)
+            T.copy(dO[t, g * hb:(g + 1) * hb, :], do)
+            for h, c in T.Parallel(hb, D_V):
+                prod[h, c] = T.cast(o[h, c], f32) * T.cast(do[h, c], f32)
+            T.reduce_sum(prod, d, dim=1)
+            T.copy(d, Delta[t, g * hb:(g + 1) * hb])
+
+    return tilelang.compile(main, out_idx=[-1], pass_configs=_pass_configs(tilelang))
+
+
+@functools.cache
+def get_delta_kernel(heads: int, dtype: str):
+    return delta_kernel(heads, dtype)
 
 
 @functools.cache
@@ -186,8 +250,9 @@ def bwd(q, kv, out, dout, idx, lse, scale, chunk_tokens: int = CHUNK_TOKENS):
         return torch.cat([dq for dq, _ in parts], dim=1), sum(dkv for _, dkv in parts)
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
-    delta = (out.float() * dout.float()).sum(-1)
+    delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
     lse = lse.float().contiguous()
+    cnt = active_slots(idx)  # both kernels walk the same leading slot blocks (P/dS exist only there)
     ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
     dq = torch.empty(t, h, D_QK, dtype=getattr(torch, dq_dtype(dtype)), device=q.device)
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
@@ -197,8 +262,8 @@ def bwd(q, kv, out, dout, idx, lse, scale, chunk_tokens: int = CHUNK_TOKENS):
     for r0 in range(0, t, rows):
         r1 = min(r0 + rows, t)
         m = r1 - r0
-        ds_k(q[r0:r1], kv, dout[r0:r1], idx[r0:r1], lse[r0:r1], delta[r0:r1], p[:m], ds[:m], dq[r0:r1])
-        dkv_k(q[r0:r1], dout[r0:r1], idx[r0:r1], p[:m], ds[:m], dkv)
+        ds_k(q[r0:r1], kv, dout[r0:r1], idx[r0:r1], cnt[r0:r1], lse[r0:r1], delta[r0:r1], p[:m], ds[:m], dq[r0:r1])
+        dkv_k(q[r0:r1], dout[r0:r1], idx[r0:r1], cnt[r0:r1], p[:m], ds[:m], dkv)
     return dq, dkv
 
 

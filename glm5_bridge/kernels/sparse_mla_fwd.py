@@ -10,21 +10,16 @@ Layout: flat tokens, no batch axis. q [T, H, 576] bf16, kv [Tkv, 576] bf16, idx 
 out [T, H, 512] bf16, lse [T, H] fp32. T and Tkv are *dynamic* in the compiled kernel (one build
 serves every sequence length: no padding copies, no recompiles); H, K and the scale are baked in.
 
-Variants (VARIANTS; measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md):
-  "simple":   one CTA per (token, 64-head block), 256 threads; each 64-key block is gathered into
-              shared memory (cp.async through T.Pipelined, 2 stages), S = Q·Kᵀ on both warpgroups,
-              online softmax, O += P·V. The textbook flash-attention loop. 300 TFLOP/s (upstream
-              294 in the same run). The one `ours_ops()` uses.
-  "ws":       warp-specialised, 384 threads, 64 heads per CTA. WG2 gathers key blocks into two
-              shared stages (plain loads + proxy fence + mbarrier); WG0 computes S = Q·Kᵀ over all
-              576 channels, the online softmax and O[:, :256] += P·V[:, :256]; WG1 only does
-              O[:, 256:] += P·V[:, 256:] with P and the rescale factor handed over in shared memory.
-              Correct, but 277 TFLOP/s: WG0 carries 6.8 of the 8.9 MFLOP per step.
-  "ws_async": "ws" with the producer issuing one cp.async row copy per key (32 of 128 threads
-              active, 192 commit groups per step): 98 TFLOP/s, a latency-bound producer. Kept
-              for the record only.
-A 4-warpgroup split (WG0 softmax only, two PV warpgroups) does not compile: a 512-thread CTA caps
-ptxas at 128 registers per thread, below the 64x256 fp32 accumulator of a PV warpgroup.
+Kernel ("simple"; measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md): one CTA per
+(token, 64-head block), 256 threads; each 64-key block is gathered into shared memory (cp.async
+through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax, O += P·V — the textbook
+flash-attention loop. It walks only a token's *active* slots, ceil(cnt[t] / 64) blocks where
+cnt[t] = 1 + the last non-empty slot (`active_slots`): rows whose −1 slots come last (select_topk's
+order, which `SparseMLA` enforces) skip their empty blocks, e.g. the first 2048 tokens of a causal
+sequence. 6.28 ms = 372 TFLOP/s nominal over all slots so (upstream 8.04 ms in the same run); on
+slots with −1 interleaved (nothing to skip, one pipeline stage: SKIP_NOTE) 7.95 ms.
+Two warp-specialised variants (a producer warpgroup feeding two math warpgroups through mbarriers;
+277 and 98 TFLOP/s) were slower and are gone (git history before 2026-12-03; docs/kernels.md).
 """
 
 import functools
@@ -49,6 +44,12 @@ def _pass_configs(tilelang):
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
+# SKIP_NOTE: a loop over a token's active blocks has a run-time trip count. TileLang 0.1.15 then
+# cannot build a cp.async pipeline deeper than num_stages=1 (its epilogue's wait count becomes an
+# expression: "Downcast from tirx.Sub to ir.IntImm failed" in codegen), so skipping kernels run
+# one stage (the next block's gather still overlaps this block's math).
+
+
 def scores_macro(T, hb: int, block_i: int):
     """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd.ds_kernel):
     gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
@@ -66,13 +67,15 @@ def scores_macro(T, hb: int, block_i: int):
     return scores
 
 
-def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256, num_stages: int = 2,
-                  dtype: str = "bfloat16"):
+def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256,
+                  num_stages: int | None = None, dtype: str = "bfloat16", skip_empty: bool = True):
+    """skip_empty=False walks all top-k blocks whatever Cnt says (the benchmark's baseline)."""
     tilelang, T = _tl()
     assert topk % block_i == 0
     hb = min(heads, 64)
     assert heads % hb == 0 and hb >= 16
-    nhb, ni, c = heads // hb, topk // block_i, scale * LOG2E
+    nhb, c = heads // hb, scale * LOG2E
+    num_stages = num_stages or (1 if skip_empty else 2)  # see SKIP_NOTE
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
@@ -80,8 +83,8 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             Idx: T.Tensor([n, topk], T.int32), O: T.Tensor([n, heads, D_V], dt),
-             Lse: T.Tensor([n, heads], f32)):
+             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             O: T.Tensor([n, heads, D_V], dt), Lse: T.Tensor([n, heads], f32)):
         with T.Kernel(n * nhb, threads=threads) as bx:
             q_s = T.alloc_shared([hb, D_V], dt)
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
@@ -102,7 +105,8 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -(2.0**30))
-            for i in T.Pipelined(ni, num_stages=num_stages):
+            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i) if skip_empty else topk // block_i,
+                                 num_stages=num_stages):
                 scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.copy(m, m_old)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
@@ -127,184 +131,27 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
     return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
 
 
-def _gather_macro(T, bi, dh, producer):
-    """Producer step: gather key block i (64 rows of kv by index, −1 → row 0, masked later) into one
-    shared stage, split into latent-left / latent-right / rope parts. "sync": vectorised plain loads
-    (registers stage the data); "async": one cp.async row copy per key (no registers, all in
-    flight at once), then wait for this thread's copies."""
-    if producer == "sync":
-        @T.macro
-        def gather(KV, Idx, t, i, kl, kr, kt):
-            for r, d in T.Parallel(bi, dh):
-                kl[r, d] = KV[T.max(Idx[t, i * bi + r], 0), d]
-            for r, d in T.Parallel(bi, dh):
-                kr[r, d] = KV[T.max(Idx[t, i * bi + r], 0), dh + d]
-            for r, d in T.Parallel(bi, D_TAIL):
-                kt[r, d] = KV[T.max(Idx[t, i * bi + r], 0), D_V + d]
-    else:
-        @T.macro
-        def gather(KV, Idx, t, i, kl, kr, kt):
-            for r in T.serial(bi):
-                row = T.max(Idx[t, i * bi + r], 0)
-                T.async_copy(KV[row, 0:dh], kl[r, 0:dh], coalesced_width=8)
-                T.async_copy(KV[row, dh:D_V], kr[r, 0:dh], coalesced_width=8)
-                T.async_copy(KV[row, D_V:D_QK], kt[r, 0:D_TAIL], coalesced_width=8)
-            T.ptx_wait_group(0)
-    return gather
-
-
-def ws_kernel(heads: int, topk: int, scale: float, producer_regs: int = 56, consumer_regs: int = 224,
-              producer: str = "sync"):
-    """Warp-specialised forward (see the module docstring). heads must be a multiple of 64."""
-    tilelang, T = _tl()
-    bi, hb, dh = 64, 64, D_V // 2
-    assert topk % bi == 0 and heads % hb == 0
-    nhb, ni, c = heads // hb, topk // bi, scale * LOG2E
-    bf16, f32 = T.bfloat16, T.float32
-    n = T.dynamic("num_tokens")
-    nkv = T.dynamic("num_kv")
-    gather = _gather_macro(T, bi, dh, producer)
-
-    @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], bf16), KV: T.Tensor([nkv, D_QK], bf16),
-             Idx: T.Tensor([n, topk], T.int32), O: T.Tensor([n, heads, D_V], bf16),
-             Lse: T.Tensor([n, heads], f32)):
-        with T.Kernel(n * nhb, threads=384) as bx:
-            q_l = T.alloc_shared([hb, dh], bf16)
-            q_r = T.alloc_shared([hb, dh], bf16)
-            q_t = T.alloc_shared([hb, D_TAIL], bf16)
-            kl0 = T.alloc_shared([bi, dh], bf16)
-            kr0 = T.alloc_shared([bi, dh], bf16)
-            kt0 = T.alloc_shared([bi, D_TAIL], bf16)
-            kl1 = T.alloc_shared([bi, dh], bf16)
-            kr1 = T.alloc_shared([bi, dh], bf16)
-            kt1 = T.alloc_shared([bi, D_TAIL], bf16)
-            p_s = T.alloc_shared([hb, bi], bf16)
-            alpha_s = T.alloc_shared([hb], f32)
-            inv_s = T.alloc_shared([hb], f32)
-            acc_s = T.alloc_fragment([hb, bi], f32)
-            acc_o = T.alloc_fragment([hb, dh], f32)
-            acc_o2 = T.alloc_fragment([hb, dh], f32)
-            m = T.alloc_fragment([hb], f32)
-            m_old = T.alloc_fragment([hb], f32)
-            l = T.alloc_fragment([hb], f32)
-            rs = T.alloc_fragment([hb], f32)
-            alpha = T.alloc_fragment([hb], f32)
-            # 0/1: stage full (producer, 128)  2/3: stage empty (WG0 + WG1, 256)
-            # 4: P ready (WG0, 128)  5: P consumed (WG1, 128)  6: final 1/l ready (WG0, 128)
-            bars = T.alloc_barrier([128, 128, 256, 256, 128, 128, 128])
-            tx = T.get_thread_binding()
-            t = bx // nhb
-            h0 = (bx % nhb) * hb
-
-            if tx < 128:
-                T.set_max_nreg(consumer_regs, 1)
-                T.copy(Q[t, h0:h0 + hb, 0:dh], q_l)
-                T.copy(Q[t, h0:h0 + hb, dh:D_V], q_r)
-                T.copy(Q[t, h0:h0 + hb, D_V:D_QK], q_t)
-                T.fill(acc_o, 0)
-                T.fill(l, 0)
-                T.fill(m, -(2.0**30))
-                for i in T.serial(ni):
-                    T.barrier_wait(bars[i % 2], (i // 2) % 2)
-                    for h, r in T.Parallel(hb, bi):
-                        acc_s[h, r] = T.if_then_else(Idx[t, i * bi + r] >= 0, 0, -T.infinity(f32))
-                    if i % 2 == 0:
-                        T.gemm(q_l, kl0, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(q_r, kr0, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(q_t, kt0, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(q_l, kl1, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(q_r, kr1, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(q_t, kt1, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(m, m_old)
-                    T.reduce_max(acc_s, m, dim=1, clear=False)
-                    for h in T.Parallel(hb):
-                        alpha[h] = T.exp2((m_old[h] - m[h]) * c)
-                    for h, r in T.Parallel(hb, bi):
-                        acc_s[h, r] = T.exp2(acc_s[h, r] * c - m[h] * c)
-                    T.reduce_sum(acc_s, rs, dim=1)
-                    for h in T.Parallel(hb):
-                        l[h] = l[h] * alpha[h] + rs[h]
-                    if i > 0:
-                        T.barrier_wait(bars[5], (i - 1) % 2)
-                    T.copy(acc_s, p_s)
-                    for h in T.Parallel(hb):
-                        alpha_s[h] = alpha[h]
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bars[4])
-                    for h, d in T.Parallel(hb, dh):
-                        acc_o[h, d] = acc_o[h, d] * alpha[h]
-                    if i % 2 == 0:
-                        T.gemm(p_s, kl0, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(p_s, kl1, acc_o, policy=T.GemmWarpPolicy.FullRow)
-                    T.barrier_arrive(bars[2 + i % 2])
-                for h in T.Parallel(hb):
-                    alpha[h] = T.if_then_else(l[h] > 0, 1.0 / l[h], 0)
-                    rs[h] = T.if_then_else(l[h] > 0, T.log2(l[h]) + m[h] * c, 0)
-                T.copy(alpha, inv_s)
-                T.barrier_arrive(bars[6])
-                for h, d in T.Parallel(hb, dh):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
-                T.copy(acc_o, O[t, h0:h0 + hb, 0:dh])
-                T.copy(rs, Lse[t, h0:h0 + hb])
-            elif tx < 256:
-                T.set_max_nreg(consumer_regs, 1)
-                T.fill(acc_o2, 0)
-                for i in T.serial(ni):
-                    T.barrier_wait(bars[4], i % 2)
-                    T.barrier_wait(bars[i % 2], (i // 2) % 2)
-                    for h, d in T.Parallel(hb, dh):
-                        acc_o2[h, d] = acc_o2[h, d] * alpha_s[h]
-                    if i % 2 == 0:
-                        T.gemm(p_s, kr0, acc_o2, policy=T.GemmWarpPolicy.FullRow)
-                    else:
-                        T.gemm(p_s, kr1, acc_o2, policy=T.GemmWarpPolicy.FullRow)
-                    T.barrier_arrive(bars[5])
-                    T.barrier_arrive(bars[2 + i % 2])
-                T.barrier_wait(bars[6], 0)
-                for h, d in T.Parallel(hb, dh):
-                    acc_o2[h, d] = acc_o2[h, d] * inv_s[h]
-                T.copy(acc_o2, O[t, h0:h0 + hb, dh:D_V])
-            else:
-                T.set_max_nreg(producer_regs, 0)
-                for i in T.serial(ni):
-                    if i >= 2:
-                        T.barrier_wait(bars[2 + i % 2], ((i // 2) + 1) % 2)
-                    if i % 2 == 0:
-                        gather(KV, Idx, t, i, kl0, kr0, kt0)
-                    else:
-                        gather(KV, Idx, t, i, kl1, kr1, kt1)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(bars[i % 2])
-
-    return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
-
-
-VARIANTS = {
-    "simple": simple_kernel,
-    "ws": ws_kernel,
-    "ws_async": functools.partial(ws_kernel, producer="async"),
-}
+def active_slots(idx: torch.Tensor) -> torch.Tensor:
+    """[T, K] int32 slot indices → [T] int32: 1 + the position of the last non-empty slot (0 for an
+    all-empty row). The kernels walk slot blocks only up to there; −1 slots before it stay masked."""
+    positions = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
+    return torch.where(idx >= 0, positions, 0).amax(dim=1).to(torch.int32)
 
 
 @functools.cache
-def get_kernel(variant: str, heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
-    """The "ws" variants are bfloat16 only (`fwd` runs "simple" for float16)."""
-    return VARIANTS[variant](heads, topk, float(scale), **({} if dtype == "bfloat16" else {"dtype": dtype}))
+def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
+    return simple_kernel(heads, topk, float(scale), dtype=dtype)
 
 
-def fwd(q, kv, idx, scale, variant="simple"):
+def fwd(q, kv, idx, scale, cnt=None):
     """q [T,H,576], kv [T,576] (both bfloat16 or both float16), idx [T,K] int32 (K a multiple of 64,
-    H a power of two ≥ 16; "ws" needs H a multiple of 64 and bfloat16, and falls back to "simple"
-    otherwise) → out [T,H,512] (q's dtype), lse [T,H] fp32."""
+    H a power of two ≥ 16), cnt = active_slots(idx) if not given → out [T,H,512] (q's dtype),
+    lse [T,H] fp32."""
     t, h, _ = q.shape
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
-    if variant.startswith("ws") and (h % 64 or dtype != "bfloat16"):
-        variant = "simple"
-    kernel = get_kernel(variant, h, idx.shape[1], float(scale), dtype)
-    return kernel(q.contiguous(), kv.contiguous(), idx.contiguous())
+    kernel = get_kernel(h, idx.shape[1], float(scale), dtype)
+    cnt = active_slots(idx) if cnt is None else cnt
+    return kernel(q.contiguous(), kv.contiguous(), idx.contiguous(), cnt)
 
 
 def fwd_reference(q, kv, idx, scale, chunk=256):
