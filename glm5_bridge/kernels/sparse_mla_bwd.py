@@ -113,8 +113,8 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
     """One CTA per (token, part of the 512 latent channels), all heads; the last part also does
     the 64 rope channels. Per block of 64 slots and per `cols`-wide slice of its channels:
     dKV rows = dSᵀ·Q + Pᵀ·dO as an M = 64 wgmma tile summed over heads, staged in shared memory,
-    then added row by row — a warp adds contiguous bytes of one row with 16-byte atomics
-    (red.global.add.v4.f32).
+    then added row by row — each thread adds 16 bytes (red.global.add.v4.f32), consecutive
+    threads along a row, so a row's `cols` floats go out as one contiguous piece.
     col_parts=2 halves a CTA's shared memory (Q and dO halves: 105 KB) so two CTAs share an SM
     and one's GEMMs overlap the other's atomics; col_parts=1 (one CTA per token, 186 KB, GEMMs
     and atomics in turn) is the earlier kernel. Adding straight from the accumulator fragments
@@ -159,8 +159,8 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
             # the block's key indices, prefetched with P and dS instead of read from global memory
             # before each add (measured: no change with atomics, 11.60 vs 11.65 ms; plain stores 5 %)
             idx_s = T.alloc_shared([block_k], T.int32)
-            # rows padded by 4 floats: the accumulator's 8-row store pattern then hits 8 different
-            # bank groups (an unpadded 128-float row stride puts all 8 rows on the same banks)
+            # rows padded by 4 floats: an unpadded stride of 64 or 128 floats (a multiple of the
+            # 32 banks) would put the 8 rows of the accumulator's store pattern on the same banks
             stage = T.alloc_shared([block_k, cols + 4], f32)
             acc = T.alloc_fragment([block_k, cols], f32)
             acc_t = T.alloc_fragment([block_k, D_TAIL], f32)
