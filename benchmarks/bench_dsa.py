@@ -140,7 +140,7 @@ def check_fwd():
 
 def used_first(idx):
     """The slots reordered as SparseMLA passes them to the kernels (used first, −1 after)."""
-    return iface.kernel_indices(idx)[0, :, 0]
+    return iface.kernel_indices(idx)[0][0, :, 0]
 
 
 @functools.cache
@@ -216,11 +216,12 @@ def bench_sparse(seqs, heads_list, reps):
             # ours: raw kernel calls on the used-first slots and on the slots as drawn
             ops = iface.ours_ops()
             for name, ix in (("ours", idx), ("ours_interleaved", idx_drawn)):
-                of = lambda ix=ix: ours_fwd.fwd(q, kv, ix, SCALE)  # noqa: E731
+                n = ours_fwd.active_slots(ix)  # SparseMLA gets it from kernel_indices: not timed here
+                of = lambda ix=ix, n=n: ours_fwd.fwd(q, kv, ix, SCALE, n)  # noqa: E731
                 tf, sf = median_ms(of, reps)
                 o_ours, lse_ours = of()
-                ob = lambda ix=ix: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512),  # noqa: E731
-                                           ix.view(1, s, 1, TOPK), lse_ours.view(1, s, heads), SCALE)
+                ob = lambda ix=ix, n=n: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512),  # noqa: E731
+                                                ix.view(1, s, 1, TOPK), lse_ours.view(1, s, heads), SCALE, n)
                 tb, sb = median_ms(ob, max(3, reps // 2))
                 row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours, o_up[0]))
             cnt = ours_fwd.active_slots(idx_drawn)
@@ -268,51 +269,55 @@ def bench_sparse(seqs, heads_list, reps):
 
 
 # ---------------------------------------------------------------------------------------------- bwd parts
-BWD_VARIANTS = {  # name → (ds_kernel kwargs, dkv_kernel kwargs); "default" is what bwd() runs
-    "default": ({}, {}),
-    "dkv_plain_stores": ({}, {"write": "store"}),  # cost split only: racy stores, wrong dkv
-    "dkv_no_writes": ({}, {"write": "none"}),  # cost split only: GEMMs without the dkv write
-    "dkv_one_part": ({}, {"col_parts": 1}),  # one CTA per token for all 576 channels (run F)
-}
+def bwd_variants(heads=64):
+    """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
+    "fused" is what bwd() runs at 64 heads; "fused_no_adds" the same without the dKV atomic adds
+    (their cost; wrong dkv); "split" the ds_kernel + dkv_kernel pair (what runs below 64 heads)."""
+    fused = ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16")
+    no_adds = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)
+    ds_k = ours_bwd.get_ds_kernel(heads, TOPK, SCALE, "bfloat16")
+    dkv_k = ours_bwd.get_dkv_kernel(heads, TOPK, "bfloat16")
+
+    def one_pass(kernel):
+        def run(q, kv, dout, idx, cnt, lse, delta):
+            dq = torch.empty(q.shape, dtype=q.dtype, device="cuda")  # dq_dtype("bfloat16")
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+            kernel(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
+            return dq, dkv
+        return run
+
+    def split(q, kv, dout, idx, cnt, lse, delta):  # the whole sequence as one token chunk
+        s, h, _ = q.shape
+        p = torch.empty(s, h, TOPK, dtype=q.dtype, device="cuda")
+        ds = torch.empty_like(p)
+        dq = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq)
+        dkv_k(q, dout, idx, cnt, p, ds, dkv)
+        return dq, dkv
+
+    return {"fused": one_pass(fused), "fused_no_adds": one_pass(no_adds), "split": split}
 
 
-def build_bwd_variant(name, heads=64):
-    ds_kw, dkv_kw = BWD_VARIANTS[name]
-    return (ours_bwd.ds_kernel(heads, TOPK, SCALE, "bfloat16", **ds_kw),
-            ours_bwd.dkv_kernel(heads, TOPK, "bfloat16", **dkv_kw))
-
-
-def bench_bwd_parts(s=8192, heads=64, reps=5, variants=None):
-    """Our backward's two kernels timed on their own (one token chunk of S), per variant."""
+def bench_bwd_parts(s=8192, heads=64, reps=5):
+    """Our backward kernels on their own (delta precomputed, dkv zeroing included), per variant."""
     gen = torch.Generator(device="cuda").manual_seed(s)
     q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
     kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
     idx = used_first(causal_topk([s], TOPK, gen))
     cnt = ours_fwd.active_slots(idx)
     dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
-    out, lse = ours_fwd.fwd(q, kv, idx, SCALE)
+    out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
     delta = (out.float() * dout.float()).sum(-1)
-    p = torch.empty(s, heads, TOPK, dtype=q.dtype, device="cuda")
-    ds = torch.empty_like(p)
-    dq = torch.empty(s, heads, 576, device="cuda", dtype=q.dtype)  # dq_dtype("bfloat16")
-    dkv = torch.zeros(s, 576, device="cuda")
     ref = None
-    for name in variants or BWD_VARIANTS:
-        try:
-            ds_k, dkv_k = build_bwd_variant(name, heads)
-            t_ds, _ = median_ms(lambda: ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq), reps)
-            t_dkv, _ = median_ms(lambda: dkv_k(q, dout, idx, cnt, p, ds, dkv), reps)
-            dkv.zero_()
-            ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq)
-            dkv_k(q, dout, idx, cnt, p, ds, dkv)
-            res = (dq.clone(), dkv.clone())
-            ref = ref or res
-            emit("bwd_parts", variant=name, S=s, H=heads, ds_ms=round(t_ds, 3), dkv_ms=round(t_dkv, 3),
-                 total_ms=round(t_ds + t_dkv, 3), dq_vs_default=rel(res[0], ref[0]), dkv_vs_default=rel(res[1], ref[1]),
-                 ds_flop_tflops=round(2 * s * heads * TOPK * 1664 / t_ds / 1e9, 1),
-                 dkv_flop_tflops=round(2 * s * heads * TOPK * 1088 / t_dkv / 1e9, 1))
-        except Exception as e:  # noqa: BLE001
-            print(f"bwd variant {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    for name, run in bwd_variants(heads).items():
+        args = (q, kv, dout, idx, cnt, lse, delta)
+        t, spread = median_ms(lambda: run(*args), reps)
+        dq, dkv = run(*args)
+        ref = ref or (dq, dkv)
+        emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
+             dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
+             tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1))
 
 
 # ---------------------------------------------------------------------------------------------- indexer
@@ -371,8 +376,8 @@ def bench_compile(heads=64, n=20):
     gen = torch.Generator(device="cuda").manual_seed(3)
     lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
     def ours_builds():
-        return (ours_fwd.get_kernel.cache_info().misses + ours_bwd.get_ds_kernel.cache_info().misses
-                + ours_bwd.get_dkv_kernel.cache_info().misses + ours_bwd.get_delta_kernel.cache_info().misses)
+        return sum(f.cache_info().misses for f in (ours_fwd.get_kernel, ours_bwd.get_fused_kernel, ours_bwd.get_ds_kernel,
+                                                   ours_bwd.get_dkv_kernel, ours_bwd.get_delta_kernel))
 
     def upstream_builds():
         return len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)
@@ -437,7 +442,6 @@ def main():
     ap.add_argument("--seqs", default="4096,8192,16384")
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--bwd-variants", default="", help="bwd_parts: comma-separated BWD_VARIANTS keys (default all)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
     OUT_PATH = a.out
@@ -453,9 +457,9 @@ def main():
     if "sparse" in parts:
         bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], a.reps)
     if "bwd_parts" in parts:
-        bench_bwd_parts(variants=a.bwd_variants.split(",") if a.bwd_variants else None)
+        bench_bwd_parts()
     if "indexer" in parts:
-        bench_indexer([8192, 32768])
+        bench_indexer([8192, 16384, 32768])
     if "compile" in parts:
         bench_compile()
     if "dense" in parts:

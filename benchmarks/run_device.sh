@@ -18,9 +18,12 @@ from megatron.core.transformer.experimental_attention_variant.ops import tilelan
 jobs=(
   "F.get_kernel(64, 2048, 1/16)"
   "F.get_kernel(16, 2048, 1/16)"
+  "B.get_fused_kernel(64, 2048, 1/16, 'bfloat16')"
+  "B.fused_kernel(64, 2048, 1/16, 'bfloat16', adds=False)"
   "B.get_ds_kernel(64, 2048, 1/16, 'bfloat16')"
   "B.get_dkv_kernel(64, 2048, 'bfloat16'); B.get_delta_kernel(64, 'bfloat16'); B.get_delta_kernel(16, 'bfloat16')"
-  "B.get_ds_kernel(16, 2048, 1/16, 'bfloat16'); B.get_dkv_kernel(16, 2048, 'bfloat16')"
+  "B.get_ds_kernel(16, 2048, 1/16, 'bfloat16')"
+  "B.get_dkv_kernel(16, 2048, 'bfloat16')"
   "import bench_dsa; bench_dsa.noskip_fwd(64); bench_dsa.noskip_fwd(16)"
   "S.compile_kernels(64, 2048, 1/16, parts=('fwd',), kernels='upstream')"
   "S.compile_kernels(64, 2048, 1/16, parts=('bwd',), kernels='upstream')"
@@ -29,9 +32,6 @@ jobs=(
   "S.compile_kernels(64, 2048, 1/16, parts=('delta',), kernels='upstream'); S.compile_kernels(16, 2048, 1/16, parts=('delta', 'post'), kernels='upstream')"
   "ui._get_indexer_fwd_kernel(32, 128); ui._get_clean_logits_kernel()"
   "from glm5_bridge.kernels import indexer as I; I.get_logits_kernel(32, 128)"
-  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_plain_stores')"
-  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_no_writes')"
-  "import bench_dsa; bench_dsa.build_bwd_variant('dkv_one_part')"
 )
 pids=()
 i=0

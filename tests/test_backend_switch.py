@@ -120,7 +120,8 @@ def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
     lengths = [70, 1, 130]
     topk = reference.random_causal_topk(lengths, 100, generator=torch.Generator().manual_seed(3))
     topk[4, 7] = -5  # any negative index is an empty slot
-    idx = kernel_indices(topk)[0, :, 0]
+    idx4, counts = kernel_indices(topk)
+    idx = idx4[0, :, 0]
     assert idx.shape == (201, 128) and idx.dtype == torch.int32
     for row, got in zip(topk, idx):
         used = row[row >= 0]
@@ -130,6 +131,7 @@ def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
     n_used = (topk >= 0).sum(1)
     assert n_used.min() == 1 and n_used.max() == 100  # rows from 1 visible key to a full top-k
     assert torch.equal(active_slots(idx).long(), n_used)
+    assert counts.dtype == torch.int32 and torch.equal(counts.long(), n_used)  # what SparseMLA passes as `used`
     # on the slots as drawn (-1 interleaved) the kernels walk up to the last used slot
     assert torch.equal(active_slots(topk.int()).long(), 100 - (topk >= 0).flip(1).int().argmax(1))
     assert active_slots(torch.full((2, 64), -1, dtype=torch.int32)).tolist() == [0, 0]

@@ -53,8 +53,9 @@ def default_kernels() -> str:
 def tilelang_ops() -> SimpleNamespace:
     """The kernel entry points `SparseMLA` runs (kernels/reference.py has the same in torch):
 
-    fwd(q, kv, idx, scale) → (out in q's dtype, lse fp32)
-    bwd(q, kv, out, dout, idx, lse, scale) → (dq, dkv), fp32 or q's dtype
+    fwd(q, kv, idx, scale, used) → (out in q's dtype, lse fp32)
+    bwd(q, kv, out, dout, idx, lse, scale, used) → (dq, dkv), fp32 or q's dtype
+    (used: [T] int32, the used slots per row, which `kernel_indices` puts first; ours stop there)
     float16: whether fwd/bwd also take float16 q/kv (else bfloat16 only)
 
     The default set (`default_kernels()`): ours (`ours_ops`, kernels/sparse_mla_fwd.py and
@@ -70,15 +71,15 @@ def ours_ops() -> SimpleNamespace:
     require_tilelang()
     from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
-    def fwd(q, kv, idx, scale):
+    def fwd(q, kv, idx, scale, used):
         _, t, h, _ = q.shape
-        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale)
+        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale, used)
         return out.view(1, t, h, D_V), lse.view(1, t, h)
 
-    def bwd(q, kv, out, dout, idx, lse, scale):
+    def bwd(q, kv, out, dout, idx, lse, scale, used):
         _, t, h, _ = q.shape
         dq, dkv = sparse_mla_bwd.bwd(q.view(t, h, D_QK), kv.view(t, D_QK), out.view(t, h, D_V),
-                                     dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale)
+                                     dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale, used)
         return dq.view(1, t, h, D_QK), dkv.view(1, t, 1, D_QK)
 
     return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True)
@@ -95,10 +96,10 @@ def upstream_ops() -> SimpleNamespace:
         raise ImportError("dsa_attention_backend='tilelang': megatron-core could not load tilelang; "
                           f"reinstall with {INSTALL_HINT}")
 
-    def fwd(q, kv, idx, scale):
+    def fwd(q, kv, idx, scale, used=None):  # walks every slot: `used` is not needed
         return fwd_mod.sparse_mla_fwd_interface(q, kv, idx, sm_scale=scale, d_v=D_V)
 
-    def bwd(q, kv, out, dout, idx, lse, scale):
+    def bwd(q, kv, out, dout, idx, lse, scale, used=None):
         delta = bwd_mod.sparse_mla_delta(out, dout)
         return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
 
@@ -125,19 +126,20 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return padded
 
 
-def kernel_indices(topk: torch.Tensor) -> torch.Tensor:
-    """[T, K] integer flat indices → [1, T, 1, Kp] int32, every empty slot exactly −1 and after
-    every used one (used slots keep their order). Our kernels stop at a row's last used 64-slot
-    block, so a query that sees fewer than K keys (the first K tokens of every sequence) costs
-    only its own keys, whatever order the indices came in (select_topk already puts −1 last; a
-    replayed top-k need not). Attention does not depend on slot order."""
+def kernel_indices(topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, K] integer flat indices → ([1, T, 1, Kp] int32, every empty slot exactly −1 and after
+    every used one (used slots keep their order); [T] int32 count of used slots per row). Our
+    kernels stop at a row's last used 64-slot block, so a query that sees fewer than K keys (the
+    first K tokens of every sequence) costs only its own keys, whatever order the indices came in
+    (select_topk already puts −1 last; a replayed top-k need not). Attention does not depend on
+    slot order."""
     t, k = topk.shape
     used = topk >= 0
     n_used = used.sum(1, keepdim=True, dtype=torch.int32)
     slot = torch.where(used, used.cumsum(1, dtype=torch.int32) - 1, n_used + (~used).cumsum(1, dtype=torch.int32) - 1)
     idx = torch.full((t, kernel_topk(k)), -1, dtype=torch.int32, device=topk.device)
     idx.scatter_(1, slot.long(), topk.clamp(min=-1).to(torch.int32))
-    return idx.view(1, t, 1, -1)
+    return idx.view(1, t, 1, -1), n_used[:, 0]
 
 
 FP16_MAX_INPUT = 2.0**14  # float16 tops out at 65504; q·k and p·v accumulate in fp32 inside the kernels
@@ -178,16 +180,16 @@ class SparseMLA(torch.autograd.Function):
         t, h, _ = q.shape
         q4 = _pad_heads(q.to(dtype), kernel_heads(h))
         kv4 = kv.to(dtype).contiguous().view(1, t, 1, D_QK)
-        idx4 = kernel_indices(topk)
-        out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale)
+        idx4, used = kernel_indices(topk)
+        out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale, used)
         out = out4[0, :, :h]
-        ctx.save_for_backward(q4, kv4, idx4, out, lse)
+        ctx.save_for_backward(q4, kv4, idx4, used, out, lse)
         ctx.softmax_scale, ctx.ops, ctx.input_dtypes = softmax_scale, ops, (q.dtype, kv.dtype)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q4, kv4, idx4, out, lse = ctx.saved_tensors
+        q4, kv4, idx4, used, out, lse = ctx.saved_tensors
         t, h, _ = out.shape
         heads = q4.shape[2]
         unscale = None
@@ -195,7 +197,7 @@ class SparseMLA(torch.autograd.Function):
             dout, unscale = _float16_dout(dout)
         # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
         dq4, dkv4 = ctx.ops.bwd(q4, kv4, _pad_heads(out, heads), _pad_heads(dout.to(out.dtype), heads),
-                                idx4, lse, ctx.softmax_scale)
+                                idx4, lse, ctx.softmax_scale, used)
         dq, dkv = dq4[0, :, :h], dkv4.view(t, D_QK)
         if unscale is not None:
             dq, dkv = dq.float() * unscale, dkv.float() * unscale
@@ -241,7 +243,8 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
-    Parts: ours ("fwd", "ds", "dkv", "delta"), upstream ("fwd", "delta", "bwd", "post"); default all."""
+    Parts: ours ("fwd", "bwd": the fused kernel at 64+ heads, else the ds + dkv pair, "delta"),
+    upstream ("fwd", "delta", "bwd", "post"); default all."""
     kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
@@ -249,11 +252,16 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        hb = min(hk, sparse_mla_bwd.MAX_HEADS)  # the backward runs in groups of ≤ 64 heads
-        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
-                    "ds": lambda: sparse_mla_bwd.get_ds_kernel(hb, kp, scale, name),
-                    "dkv": lambda: sparse_mla_bwd.get_dkv_kernel(hb, kp, name),
-                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hb, name)}
+        B = sparse_mla_bwd
+
+        def build_bwd():
+            if B.uses_fused(hk):
+                B.get_fused_kernel(hk, kp, scale, name)
+            else:
+                B.get_ds_kernel(hk, kp, scale, name), B.get_dkv_kernel(hk, kp, name)
+
+        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name), "bwd": build_bwd,
+                    "delta": lambda: B.get_delta_kernel(hk, name)}
     else:
         upstream_ops()
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod

@@ -7,23 +7,24 @@ Math (see sparse_mla_fwd.py for the forward; lse is saved there, in log2 units, 
     dq[t,h]   = Σ_k ds[t,h,k] · kv[idx[t,k]]
     dkv[j]   += Σ_{t,k: idx[t,k]=j} (Σ_h ds[t,h,k] · q[t,h])  +  (Σ_h p[t,h,k] · dout[t,h]) on :512
 
-delta_kernel computes delta (fp32, one read of out and dout). Then two kernels instead of one, so
-that no CTA has to hold both a dq and a dkv accumulator (the register budget that forces
-upstream's backward down to 32 heads and mma.sync tiles):
-  ds_kernel:  one CTA per (token, ≤64-head block), 256 threads. Walks the top-k in blocks of 64
-              gathered keys (cp.async via T.Pipelined), recomputes S = Q·Kᵀ, P from lse,
-              dP = dO·Vᵀ, dS; accumulates dq = dS·K in registers (64×576 fp32, wgmma) and writes
-              P and dS ([T, H, K], the input dtype) for the second kernel.
-  dkv_kernel: one CTA per token and half of the channels, all heads (≤ 64). Per block of 64
-              slots: dKV rows = dSᵀ·Q (576) + Pᵀ·dO (:512) as M = 64 wgmma tiles with a reduction
-              over heads, staged in shared memory, then one fp32 atomic add per element into
-              dkv[idx], 16 bytes per thread along a row — one add per (token, slot, channel),
-              half of what two head blocks would issue; two CTAs per SM overlap GEMMs and adds.
-              The adds are its floor: ~2.9 TB/s of scattered fp32 row updates, limited per SM
-              (the time scales with 1/SMs), the same with plain stores (docs/kernels.md).
-Both walk only a token's active slot blocks (sparse_mla_fwd.active_slots).
-P and dS cost 2·T·H·K elements of scratch; `bwd` runs the kernels over token chunks so that
-scratch stays bounded (CHUNK_TOKENS) whatever the sequence length.
+delta_kernel computes delta (fp32, one read of out and dout). Then, at 64 heads per block (64
+heads and up: H = 128 runs as two head blocks of one launch):
+  fused_kernel: one CTA per (token, 64-head block), 256 threads. Walks the token's top-k in blocks
+              of 64 gathered keys: recomputes S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS
+              (both kept in shared memory); dq += dS·K in registers (64×576 fp32, wgmma); then the
+              block's dKV rows = dSᵀ·Q + Pᵀ·dO, 128 channels at a time (M = 64 wgmma tiles summed
+              over heads), added into dkv[idx] straight from the accumulator (8-byte fp32
+              atomics) while the next block's keys are already loading. No P/dS tensor in global
+              memory, Q and dO read once. H200, 8K tokens: 18.1 ms against 20.0 for the split below.
+Below 64 heads (16 at TP=4, where the split measured faster: 15.6 vs 16.2 ms at 8K) two kernels:
+  ds_kernel:  the same walk without the dKV part; writes P and dS ([T, H, K], the input dtype).
+  dkv_kernel: one CTA per token and half of the channels, all heads: the dKV rows of each block
+              staged in shared memory and added 16 bytes per thread along a row; two CTAs per SM.
+              P and dS cost 2·T·H·K elements of scratch; `bwd` runs this pair over token chunks so
+              that scratch stays bounded (CHUNK_TOKENS) whatever the sequence length.
+The dKV adds (T × used slots × 576 fp32) are what the backward's time is bounded by: they load
+the SM's L1/LSU path (docs/kernels.md has the ncu numbers). All kernels walk only a token's active
+slot blocks (sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
 (the fused backend feeds fp32 models through float16: 8× finer rounding, see sparse_mla.py).
@@ -36,8 +37,8 @@ import torch
 
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
-CHUNK_TOKENS = 4096  # P + dS scratch per chunk: 2 · 4096 · H · K · 2 bytes (2.1 GB at H 64, K 2048)
-MAX_HEADS = 64  # dkv_kernel keeps every head of a token in shared memory
+CHUNK_TOKENS = 4096  # split path: P + dS scratch per chunk, 2 · 4096 · H · K · 2 bytes (0.5 GB at H 16)
+FUSED_HEADS = 64  # head blocks of 64 run fused_kernel; fewer heads the ds_kernel + dkv_kernel split
 
 
 def dq_dtype(dtype: str) -> str:
@@ -74,6 +75,7 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
             k_s = T.alloc_shared([block_i, D_V], dt)
             kt_s = T.alloc_shared([block_i, D_TAIL], dt)
             ds_s = T.alloc_shared([hb, block_i], dt)
+            p_s = T.alloc_shared([hb, block_i], dt)
             acc_s = T.alloc_fragment([hb, block_i], f32)
             acc_dp = T.alloc_fragment([hb, block_i], f32)
             acc_dq = T.alloc_fragment([hb, D_V], f32)
@@ -97,9 +99,12 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
                     acc_s[h, r] = T.exp2(acc_s[h, r] * c - lse[h])  # p; empty slot: exp2(−inf) = 0
                 for h, r in T.Parallel(hb, block_i):
                     acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale  # ds
-                T.copy(acc_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
-                T.copy(acc_dp, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                # P and dS leave through shared memory: row-contiguous 16-byte stores instead of
+                # the accumulator's 4-byte pieces (8.26 vs 9.08 ms at 8K tokens × 64 heads)
+                T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
+                T.copy(p_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                T.copy(ds_s, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
                 T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
             T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
@@ -108,27 +113,17 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
 
-def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, col_parts: int = 2,
-               cols: int | None = None, threads: int = 256, num_stages: int = 1, write: str = "atomic"):
-    """One CTA per (token, part of the 512 latent channels), all heads; the last part also does
-    the 64 rope channels. Per block of 64 slots and per `cols`-wide slice of its channels:
+def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, cols: int = 64,
+               threads: int = 256):
+    """One CTA per (token, half of the 512 latent channels), all heads (≤ 64); the second half also
+    does the 64 rope channels. Per block of 64 slots and per `cols`-wide slice of its channels:
     dKV rows = dSᵀ·Q + Pᵀ·dO as an M = 64 wgmma tile summed over heads, staged in shared memory,
     then added row by row — each thread adds 16 bytes (red.global.add.v4.f32), consecutive
-    threads along a row, so a row's `cols` floats go out as one contiguous piece.
-    col_parts=2 halves a CTA's shared memory (Q and dO halves: 105 KB) so two CTAs share an SM
-    and one's GEMMs overlap the other's atomics; col_parts=1 (one CTA per token, 186 KB, GEMMs
-    and atomics in turn) is the earlier kernel. Adding straight from the accumulator fragments
-    (32-byte pieces of 8 rows per warp instruction) took 15.2 ms at 8K tokens × 64 heads against
-    11.9 ms staged (col_parts=1); a TMA bulk reduce-add per staged row 16.1 ms (docs/kernels.md).
-    write: "atomic" (the kernel); "store" and "none" only split its cost for the benchmark
-    (bench_dsa.py bwd_parts): plain racy stores instead of atomic adds, or no dkv write at all
-    (behind a run-time condition that never holds, so the GEMMs stay)."""
+    threads along a row. Two halves per token halve a CTA's shared memory so that two CTAs share
+    an SM and one's GEMMs overlap the other's adds (docs/kernels.md: what else was tried)."""
     tilelang, T = _tl()
-    assert write in ("atomic", "store", "none")
-    first_written = 0 if write == "store" else 2**30  # "none": no index reaches 2^30
-    cols = cols or (128 if col_parts == 1 else 64)  # the stage must leave two CTAs room at 2 parts
-    width = D_V // col_parts  # latent channels per CTA
-    assert topk % block_k == 0 and 16 <= heads <= MAX_HEADS and width % cols == 0 and D_TAIL <= cols
+    width = D_V // 2  # latent channels per CTA
+    assert topk % block_k == 0 and 16 <= heads <= FUSED_HEADS and width % cols == 0 and D_TAIL <= cols
     nc = width // cols
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
@@ -136,38 +131,31 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
 
     @T.macro
     def add_rows(dKV, idx_s, stage, c0, w):
-        if write == "atomic":
-            for r, d in T.Parallel(block_k, w):
-                if idx_s[r] >= 0:
-                    T.atomic_add(dKV[idx_s[r], c0 + d], stage[r, d])
-        else:
-            for r, d in T.Parallel(block_k, w):
-                if idx_s[r] >= first_written:
-                    dKV[idx_s[r], c0 + d] = stage[r, d]
+        for r, d in T.Parallel(block_k, w):
+            if idx_s[r] >= 0:
+                T.atomic_add(dKV[idx_s[r], c0 + d], stage[r, d])
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), dO: T.Tensor([n, heads, D_V], dt),
              Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32), P: T.Tensor([n, heads, topk], dt),
              dS: T.Tensor([n, heads, topk], dt), dKV: T.Tensor([nkv, D_QK], f32)):
-        with T.Kernel(n, col_parts, threads=threads) as (t, part):
+        with T.Kernel(n, 2, threads=threads) as (t, part):
             c0 = part * width
             q_s = T.alloc_shared([heads, width], dt)
             qt_s = T.alloc_shared([heads, D_TAIL], dt)
             do_s = T.alloc_shared([heads, width], dt)
             p_s = T.alloc_shared([heads, block_k], dt)
             ds_s = T.alloc_shared([heads, block_k], dt)
-            # the block's key indices, prefetched with P and dS instead of read from global memory
-            # before each add (measured: no change with atomics, 11.60 vs 11.65 ms; plain stores 5 %)
             idx_s = T.alloc_shared([block_k], T.int32)
-            # rows padded by 4 floats: an unpadded stride of 64 or 128 floats (a multiple of the
-            # 32 banks) would put the 8 rows of the accumulator's store pattern on the same banks
+            # rows padded by 4 floats: an unpadded stride of 64 floats (a multiple of the 32 banks)
+            # would put the 8 rows of the accumulator's store pattern on the same banks
             stage = T.alloc_shared([block_k, cols + 4], f32)
             acc = T.alloc_fragment([block_k, cols], f32)
             acc_t = T.alloc_fragment([block_k, D_TAIL], f32)
             T.copy(Q[t, :, c0:c0 + width], q_s)
             T.copy(Q[t, :, D_V:D_QK], qt_s)
             T.copy(dO[t, :, c0:c0 + width], do_s)
-            for j in T.Pipelined(T.ceildiv(Cnt[t], block_k), num_stages=num_stages):
+            for j in T.Pipelined(T.ceildiv(Cnt[t], block_k), num_stages=1):
                 T.copy(P[t, :, j * block_k:(j + 1) * block_k], p_s)
                 T.copy(dS[t, :, j * block_k:(j + 1) * block_k], ds_s)
                 T.copy(Idx[t, j * block_k:(j + 1) * block_k], idx_s)
@@ -179,11 +167,96 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
                            policy=T.GemmWarpPolicy.FullRow)
                     T.copy(acc, stage[:, 0:cols])
                     add_rows(dKV, idx_s, stage, c0 + c * cols, cols)
-                if part == col_parts - 1:
+                if part == 1:
                     T.clear(acc_t)
                     T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(acc_t, stage[:, 0:D_TAIL])
                     add_rows(dKV, idx_s, stage, D_V, D_TAIL)
+
+    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
+                 cols: int = 128, threads: int = 256, adds: bool = True):
+    """The backward in one pass per (token, 64-head block); see the module docstring. Shared
+    memory: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA per SM and no staging buffer
+    for the adds: they go straight from the accumulator fragments (8 bytes per thread, 32 bytes
+    of a row per 4 threads), each thread's two row indices held in registers (read from global
+    memory instead, each add re-reads them — the atomics clobber memory: 18.6 vs 18.2 ms at 8K).
+    cols: dKV channels per wgmma tile — 128 measured faster than 64 (18.4 ms) and as fast as 256
+    (18.0 ms at 8K, 39.1 vs 39.0 at 16K, which spills more registers). adds=False leaves the adds out (behind a run-time condition that
+    never holds, so the GEMMs stay): the benchmark's cost split, not a backward."""
+    tilelang, T = _tl()
+    hb = FUSED_HEADS
+    assert heads % hb == 0 and topk % block_i == 0 and D_V % cols == 0
+    nhb, c = heads // hb, scale * LOG2E
+    first_added = 0 if adds else 2**30  # no index reaches 2^30
+    dt, f32 = getattr(T, dtype), T.float32
+    n = T.dynamic("num_tokens")
+    nkv = T.dynamic("num_kv")
+    scores = scores_macro(T, hb, block_i)
+
+    @T.prim_func
+    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
+             dQ: T.Tensor([n, heads, D_QK], getattr(T, dq_dtype(dtype))), dKV: T.Tensor([nkv, D_QK], f32)):
+        with T.Kernel(n * nhb, threads=threads) as bx:
+            q_s = T.alloc_shared([hb, D_V], dt)
+            qt_s = T.alloc_shared([hb, D_TAIL], dt)
+            do_s = T.alloc_shared([hb, D_V], dt)
+            k_s = T.alloc_shared([block_i, D_V], dt)
+            kt_s = T.alloc_shared([block_i, D_TAIL], dt)
+            ds_s = T.alloc_shared([hb, block_i], dt)
+            p_s = T.alloc_shared([hb, block_i], dt)
+            acc_s = T.alloc_fragment([hb, block_i], f32)
+            acc_dp = T.alloc_fragment([hb, block_i], f32)
+            acc_dq = T.alloc_fragment([hb, D_V], f32)
+            acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
+            acc_kv = T.alloc_fragment([block_i, cols], f32)
+            acc_kvt = T.alloc_fragment([block_i, D_TAIL], f32)
+            idx_f = T.alloc_fragment([block_i], T.int32)  # each thread keeps the rows it adds
+            lse = T.alloc_fragment([hb], f32)
+            delta = T.alloc_fragment([hb], f32)
+            t = bx // nhb
+            h0 = (bx % nhb) * hb
+            T.copy(Q[t, h0:h0 + hb, 0:D_V], q_s)
+            T.copy(Q[t, h0:h0 + hb, D_V:D_QK], qt_s)
+            T.copy(dO[t, h0:h0 + hb, :], do_s)
+            T.copy(Lse[t, h0:h0 + hb], lse)
+            T.copy(Delta[t, h0:h0 + hb], delta)
+            T.fill(acc_dq, 0)
+            T.fill(acc_dqt, 0)
+            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=1):
+                for r in T.Parallel(block_i):
+                    idx_f[r] = Idx[t, i * block_i + r]
+                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
+                T.clear(acc_dp)
+                T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for h, r in T.Parallel(hb, block_i):
+                    acc_s[h, r] = T.exp2(acc_s[h, r] * c - lse[h])
+                for h, r in T.Parallel(hb, block_i):
+                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
+                T.copy(acc_s, p_s)
+                T.copy(acc_dp, ds_s)
+                T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
+                # the keys are no longer needed: the pipeline starts the next block's gather here,
+                # so the dKV GEMMs and adds below overlap its latency
+                for cc in T.serial(D_V // cols):
+                    T.gemm(ds_s, q_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    for r, d in T.Parallel(block_i, cols):
+                        if idx_f[r] >= first_added:
+                            T.atomic_add(dKV[idx_f[r], cc * cols + d], acc_kv[r, d])
+                T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                for r, d in T.Parallel(block_i, D_TAIL):
+                    if idx_f[r] >= first_added:
+                        T.atomic_add(dKV[idx_f[r], D_V + d], acc_kvt[r, d])
+            T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
+            T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
@@ -231,6 +304,11 @@ def get_dkv_kernel(heads: int, topk: int, dtype: str):
     return dkv_kernel(heads, topk, dtype)
 
 
+@functools.cache
+def get_fused_kernel(heads: int, topk: int, scale: float, dtype: str):
+    return fused_kernel(heads, topk, float(scale), dtype)
+
+
 def _dtype_name(x: torch.Tensor) -> str:
     names = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
     if x.dtype not in names:
@@ -238,24 +316,31 @@ def _dtype_name(x: torch.Tensor) -> str:
     return names[x.dtype]
 
 
-def bwd(q, kv, out, dout, idx, lse, scale, chunk_tokens: int = CHUNK_TOKENS):
+def uses_fused(heads: int) -> bool:
+    """Whether `bwd` runs fused_kernel (H a multiple of 64) or the ds_kernel + dkv_kernel split."""
+    return heads % FUSED_HEADS == 0
+
+
+def bwd(q, kv, out, dout, idx, lse, scale, used=None, fused: bool | None = None,
+        chunk_tokens: int = CHUNK_TOKENS):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
-    from our forward or upstream's) → dq [T,H,576] (dq_dtype), dkv [Tkv,576] fp32.
-    H: a power of two ≥ 16; K a multiple of 64."""
+    from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
+    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64.
+    fused: None picks by head count (uses_fused); False forces the split (H ≤ 64), for checks."""
     t, h, _ = q.shape
     k = idx.shape[1]
-    if h > MAX_HEADS:  # dkv_kernel keeps a token's heads in shared memory: one call per 64 heads
-        parts = [bwd(q[:, g:g + MAX_HEADS], kv, out[:, g:g + MAX_HEADS], dout[:, g:g + MAX_HEADS], idx,
-                     lse[:, g:g + MAX_HEADS], scale, chunk_tokens) for g in range(0, h, MAX_HEADS)]
-        return torch.cat([dq for dq, _ in parts], dim=1), sum(dkv for _, dkv in parts)
+    fused = uses_fused(h) if fused is None else fused
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
     delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
     lse = lse.float().contiguous()
-    cnt = active_slots(idx)  # both kernels walk the same leading slot blocks (P/dS exist only there)
-    ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
+    cnt = active_slots(idx) if used is None else used  # every kernel walks the same leading slot blocks
     dq = torch.empty(t, h, D_QK, dtype=getattr(torch, dq_dtype(dtype)), device=q.device)
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
+    if fused:
+        get_fused_kernel(h, k, float(scale), dtype)(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
+        return dq, dkv
+    ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
     rows = min(t, chunk_tokens)
     p = torch.empty(rows, h, k, dtype=q.dtype, device=q.device)
     ds = torch.empty_like(p)

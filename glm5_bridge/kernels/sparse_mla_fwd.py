@@ -51,7 +51,7 @@ def _pass_configs(tilelang):
 
 
 def scores_macro(T, hb: int, block_i: int):
-    """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd.ds_kernel):
+    """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd):
     gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
     memory as latent / rope parts, and acc_s = Q·Kᵀ over all 576 channels, −inf on empty slots."""
     @T.macro

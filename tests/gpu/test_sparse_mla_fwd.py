@@ -32,7 +32,7 @@ def test_fwd_matches_reference(order, lengths, heads):
     empty = min(3, total - 1)
     idx[empty] = -1
     if order == "used_first":
-        idx = kernel_indices(idx)[0, :, 0]
+        idx = kernel_indices(idx)[0][0, :, 0]
     rows = torch.unique(torch.cat([torch.randperm(total, device="cuda", generator=g)[:256],
                                    torch.tensor([0, empty], device="cuda")]))
     out, lse = F.fwd(q, kv, idx, SCALE)
