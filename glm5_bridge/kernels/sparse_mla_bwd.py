@@ -47,27 +47,24 @@ def dq_dtype(dtype: str) -> str:
     return "float32" if dtype == "float16" else dtype
 
 
-def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
-              threads: int = 256, num_stages: int | None = None):
+def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, threads: int, fused: bool,
+                 cols: int = 128, adds: bool = True):
+    """ds_kernel and fused_kernel: one CTA per (token, head block) walks the token's active key
+    blocks — gather, S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS (P and dS into shared
+    memory), dq += dS·K — then either stores P and dS (fused=False) or adds the block's dKV rows
+    (fused=True)."""
     tilelang, T = _tl()
-    hb = min(heads, 64)
-    # One stage: at 64 heads Q (72 KB) + dO (64 KB) leave room for one 72 KB stage of 64 keys
-    # (measured faster than two stages of 32 keys, H200, 8K tokens: 16.0 vs 17.8 ms); and the
-    # run-time trip count allows no deeper pipeline (sparse_mla_fwd.SKIP_NOTE).
-    num_stages = num_stages or 1
-    assert heads % hb == 0 and hb >= 16 and topk % block_i == 0
+    hb = FUSED_HEADS if fused else min(heads, FUSED_HEADS)
+    assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0
     nhb, c = heads // hb, scale * LOG2E
+    first_added = 0 if adds else 2**30  # no index reaches 2^30
     dt, f32 = getattr(T, dtype), T.float32
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
     scores = scores_macro(T, hb, block_i)
 
-    @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-             Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
-             P: T.Tensor([n, heads, topk], dt), dS: T.Tensor([n, heads, topk], dt),
-             dQ: T.Tensor([n, heads, D_QK], getattr(T, dq_dtype(dtype)))):
+    @T.macro
+    def walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, dKV):
         with T.Kernel(n * nhb, threads=threads) as bx:
             q_s = T.alloc_shared([hb, D_V], dt)
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
@@ -80,6 +77,9 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
             acc_dp = T.alloc_fragment([hb, block_i], f32)
             acc_dq = T.alloc_fragment([hb, D_V], f32)
             acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
+            acc_kv = T.alloc_fragment([block_i, cols], f32)  # this and the next two: fused only
+            acc_kvt = T.alloc_fragment([block_i, D_TAIL], f32)
+            idx_f = T.alloc_fragment([block_i], T.int32)  # each thread keeps the rows it adds
             lse = T.alloc_fragment([hb], f32)
             delta = T.alloc_fragment([hb], f32)
             t = bx // nhb
@@ -91,7 +91,13 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
             T.copy(Delta[t, h0:h0 + hb], delta)
             T.fill(acc_dq, 0)
             T.fill(acc_dqt, 0)
-            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=num_stages):
+            # One stage: Q (72 KB) + dO (64 KB) leave room for one 72 KB block of 64 keys at 64
+            # heads (measured faster than two stages of 32 keys: 16.0 vs 17.8 ms at 8K), and the
+            # run-time trip count allows no deeper pipeline (sparse_mla_fwd.SKIP_NOTE).
+            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=1):
+                if fused:
+                    for r in T.Parallel(block_i):
+                        idx_f[r] = Idx[t, i * block_i + r]
                 scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.clear(acc_dp)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -99,18 +105,58 @@ def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", bloc
                     acc_s[h, r] = T.exp2(acc_s[h, r] * c - lse[h])  # p; empty slot: exp2(−inf) = 0
                 for h, r in T.Parallel(hb, block_i):
                     acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale  # ds
-                # P and dS leave through shared memory: row-contiguous 16-byte stores instead of
-                # the accumulator's 4-byte pieces (8.26 vs 9.08 ms at 8K tokens × 64 heads)
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
-                T.copy(p_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
-                T.copy(ds_s, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                if not fused:
+                    # P and dS leave through shared memory: row-contiguous 16-byte stores instead
+                    # of the accumulator's 4-byte pieces (8.26 vs 9.08 ms at 8K tokens × 64 heads)
+                    T.copy(p_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
+                    T.copy(ds_s, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
                 T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
+                if fused:
+                    # the keys are no longer needed: the pipeline starts the next block's gather
+                    # here, so the dKV GEMMs and adds below overlap its latency
+                    for cc in T.serial(D_V // cols):
+                        T.gemm(ds_s, q_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
+                               clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                        T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
+                               policy=T.GemmWarpPolicy.FullRow)
+                        for r, d in T.Parallel(block_i, cols):
+                            if idx_f[r] >= first_added:
+                                T.atomic_add(dKV[idx_f[r], cc * cols + d], acc_kv[r, d])
+                    T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True,
+                           policy=T.GemmWarpPolicy.FullRow)
+                    for r, d in T.Parallel(block_i, D_TAIL):
+                        if idx_f[r] >= first_added:
+                            T.atomic_add(dKV[idx_f[r], D_V + d], acc_kvt[r, d])
             T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
             T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
 
+    dq_t = getattr(T, dq_dtype(dtype))
+    if fused:
+        @T.prim_func
+        def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+                 dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+                 Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
+                 dQ: T.Tensor([n, heads, D_QK], dq_t), dKV: T.Tensor([nkv, D_QK], f32)):
+            walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, None, None, dKV)
+    else:
+        @T.prim_func
+        def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+                 dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+                 Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
+                 P: T.Tensor([n, heads, topk], dt), dS: T.Tensor([n, heads, topk], dt),
+                 dQ: T.Tensor([n, heads, D_QK], dq_t)):
+            walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, None)
+
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64, threads: int = 256):
+    """The split's first kernel: per (token, ≤ 64-head block), dq and the P and dS tensors
+    ([T, H, K], the input dtype) for dkv_kernel."""
+    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=False)
 
 
 def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, cols: int = 64,
@@ -186,79 +232,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", b
     cols: dKV channels per wgmma tile — 128 measured faster than 64 (18.4 ms) and as fast as 256
     (18.0 ms at 8K, 39.1 vs 39.0 at 16K, which spills more registers). adds=False leaves the adds out (behind a run-time condition that
     never holds, so the GEMMs stay): the benchmark's cost split, not a backward."""
-    tilelang, T = _tl()
-    hb = FUSED_HEADS
-    assert heads % hb == 0 and topk % block_i == 0 and D_V % cols == 0
-    nhb, c = heads // hb, scale * LOG2E
-    first_added = 0 if adds else 2**30  # no index reaches 2^30
-    dt, f32 = getattr(T, dtype), T.float32
-    n = T.dynamic("num_tokens")
-    nkv = T.dynamic("num_kv")
-    scores = scores_macro(T, hb, block_i)
-
-    @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-             Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
-             dQ: T.Tensor([n, heads, D_QK], getattr(T, dq_dtype(dtype))), dKV: T.Tensor([nkv, D_QK], f32)):
-        with T.Kernel(n * nhb, threads=threads) as bx:
-            q_s = T.alloc_shared([hb, D_V], dt)
-            qt_s = T.alloc_shared([hb, D_TAIL], dt)
-            do_s = T.alloc_shared([hb, D_V], dt)
-            k_s = T.alloc_shared([block_i, D_V], dt)
-            kt_s = T.alloc_shared([block_i, D_TAIL], dt)
-            ds_s = T.alloc_shared([hb, block_i], dt)
-            p_s = T.alloc_shared([hb, block_i], dt)
-            acc_s = T.alloc_fragment([hb, block_i], f32)
-            acc_dp = T.alloc_fragment([hb, block_i], f32)
-            acc_dq = T.alloc_fragment([hb, D_V], f32)
-            acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
-            acc_kv = T.alloc_fragment([block_i, cols], f32)
-            acc_kvt = T.alloc_fragment([block_i, D_TAIL], f32)
-            idx_f = T.alloc_fragment([block_i], T.int32)  # each thread keeps the rows it adds
-            lse = T.alloc_fragment([hb], f32)
-            delta = T.alloc_fragment([hb], f32)
-            t = bx // nhb
-            h0 = (bx % nhb) * hb
-            T.copy(Q[t, h0:h0 + hb, 0:D_V], q_s)
-            T.copy(Q[t, h0:h0 + hb, D_V:D_QK], qt_s)
-            T.copy(dO[t, h0:h0 + hb, :], do_s)
-            T.copy(Lse[t, h0:h0 + hb], lse)
-            T.copy(Delta[t, h0:h0 + hb], delta)
-            T.fill(acc_dq, 0)
-            T.fill(acc_dqt, 0)
-            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=1):
-                for r in T.Parallel(block_i):
-                    idx_f[r] = Idx[t, i * block_i + r]
-                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
-                T.clear(acc_dp)
-                T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for h, r in T.Parallel(hb, block_i):
-                    acc_s[h, r] = T.exp2(acc_s[h, r] * c - lse[h])
-                for h, r in T.Parallel(hb, block_i):
-                    acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale
-                T.copy(acc_s, p_s)
-                T.copy(acc_dp, ds_s)
-                T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
-                # the keys are no longer needed: the pipeline starts the next block's gather here,
-                # so the dKV GEMMs and adds below overlap its latency
-                for cc in T.serial(D_V // cols):
-                    T.gemm(ds_s, q_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True, clear_accum=True,
-                           policy=T.GemmWarpPolicy.FullRow)
-                    T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullRow)
-                    for r, d in T.Parallel(block_i, cols):
-                        if idx_f[r] >= first_added:
-                            T.atomic_add(dKV[idx_f[r], cc * cols + d], acc_kv[r, d])
-                T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, d in T.Parallel(block_i, D_TAIL):
-                    if idx_f[r] >= first_added:
-                        T.atomic_add(dKV[idx_f[r], D_V + d], acc_kvt[r, d])
-            T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
-            T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
-
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds)
 
 
 def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int = 128):
