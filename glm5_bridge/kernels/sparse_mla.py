@@ -258,7 +258,8 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
             if B.uses_fused(hk):
                 B.get_fused_kernel(hk, kp, scale, name)
             else:
-                B.get_ds_kernel(hk, kp, scale, name), B.get_dkv_kernel(hk, kp, name)
+                B.get_ds_kernel(hk, kp, scale, name)
+                B.get_dkv_kernel(hk, kp, name)
 
         builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name), "bwd": build_bwd,
                     "delta": lambda: B.get_delta_kernel(hk, name)}

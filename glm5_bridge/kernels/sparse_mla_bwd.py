@@ -230,8 +230,9 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", b
     of a row per 4 threads), each thread's two row indices held in registers (read from global
     memory instead, each add re-reads them — the atomics clobber memory: 18.6 vs 18.2 ms at 8K).
     cols: dKV channels per wgmma tile — 128 measured faster than 64 (18.4 ms) and as fast as 256
-    (18.0 ms at 8K, 39.1 vs 39.0 at 16K, which spills more registers). adds=False leaves the adds out (behind a run-time condition that
-    never holds, so the GEMMs stay): the benchmark's cost split, not a backward."""
+    (18.0 ms at 8K, 39.1 vs 39.0 at 16K, which spills more registers). adds=False leaves the adds
+    out (behind a run-time condition that never holds, so the GEMMs stay): the benchmark's cost
+    split, not a backward."""
     return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds)
 
 

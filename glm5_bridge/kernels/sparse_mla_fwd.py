@@ -16,8 +16,8 @@ through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax, O += P·V 
 flash-attention loop. It walks only a token's *active* slots, ceil(cnt[t] / 64) blocks where
 cnt[t] = 1 + the last non-empty slot (`active_slots`): rows whose −1 slots come last (select_topk's
 order, which `SparseMLA` enforces) skip their empty blocks, e.g. the first 2048 tokens of a causal
-sequence. 6.28 ms = 372 TFLOP/s nominal over all slots so (upstream 8.04 ms in the same run); on
-slots with −1 interleaved (nothing to skip, one pipeline stage: SKIP_NOTE) 7.95 ms.
+sequence. 6.13 ms = 381 TFLOP/s nominal over all slots so (upstream 7.98 ms in the same run, run K);
+on slots with −1 interleaved (nothing to skip, one pipeline stage: SKIP_NOTE) 7.79 ms.
 Two warp-specialised variants (a producer warpgroup feeding two math warpgroups through mbarriers;
 277 and 98 TFLOP/s) were slower and are gone (git history before 2026-12-03; docs/kernels.md).
 """
