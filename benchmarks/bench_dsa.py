@@ -351,11 +351,21 @@ def bench_indexer(seqs, heads=32, dim=128, reps=5):
 
         starts = torch.zeros(s, dtype=torch.int64, device="cuda")
 
-        def ours():  # our score kernel over causal key windows, ROW_BLOCK rows per torch.topk
+        def ours():  # our score kernel over causal key windows + our radix select, ROW_BLOCK rows a block
             return ours_indexer.select_topk(iq, ik, w, starts, TOPK)
 
-        for name, fn, n in (("ours", ours, reps), ("upstream_tilelang+torch.topk", up, reps),
-                            ("torch_chunked", tref, 2)):
+        def ours_torch_topk():  # the same with torch.topk as the selection
+            return ours_indexer.select_topk(iq, ik, w, starts, TOPK, select=ours_indexer.torch_select)
+
+        def ours_scores_only():  # the score blocks alone: what the selection costs is the difference
+            for r0 in range(0, s, ours_indexer.ROW_BLOCK):
+                ours_indexer.block_scores(iq, ik, w, starts, r0, min(r0 + ours_indexer.ROW_BLOCK, s))
+
+        same = (ours().sort(1).values == ours_torch_topk().sort(1).values).all(1).float().mean().item()
+        emit("indexer_check", S=s, rows_identical_radix_vs_torch_topk=round(same, 6))
+        for name, fn, n in (("ours", ours, reps), ("ours_torch_topk", ours_torch_topk, reps),
+                            ("ours_scores_only", ours_scores_only, reps),
+                            ("upstream_tilelang+torch.topk", up, reps), ("torch_chunked", tref, 2)):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

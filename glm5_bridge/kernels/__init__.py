@@ -19,11 +19,11 @@ sparse_mla(q [T,H,576], kv [T,576], topk [T,K] int, softmax_scale, v_dim=512) �
     channels of q and kv before core attention (see attention/backends.py).
 
 indexer.select_topk(q [T,Hi,Di], k [T,Di], weights [T,Hi], starts [T], topk) → [T, topk] int64
-    The lightning indexer's scores (our TileLang kernel, bf16 inputs) and top-k per block of query
-    rows over the keys they can see: attention/topk.select_topk's contract (flat indices, capped at
-    the visible keys of each query's own sequence, −1 padded, always `topk` wide) without a [T, T]
-    score tensor. fp32 inputs use the torch version. Forward only: the indexer trains on no loss of
-    the main model.
+    The lightning indexer's scores (our TileLang kernel, bf16 inputs) and top-k (our radix-select
+    kernel, radix_topk.py) per block of query rows over the keys they can see:
+    attention/topk.select_topk's contract (flat indices, capped at the visible keys of each query's
+    own sequence, −1 padded, always `topk` wide) without a [T, T] score tensor. fp32 inputs use the
+    torch version. Forward only: the indexer trains on no loss of the main model.
 
 require_tilelang()
     Import check; raises a one-line ImportError naming the install extra.

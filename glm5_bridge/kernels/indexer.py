@@ -7,15 +7,18 @@ Math (attention/topk.py has the torch version, `select_topk`, with the same resu
 
 Queries run in blocks of ROW_BLOCK rows. A block only scores the keys any of its rows can see
 (from the earliest start to its last row), so the one T-sized buffer is a [rows, window] fp32
-score block — never [T, T] — and causal blocks score half the keys on average. torch.topk then
-selects within the block.
+score block — never [T, T] — and causal blocks score half the keys on average. Our radix select
+(radix_topk.py) then takes each row's top-k within the block.
 
-Kernel: one CTA per (4 queries, 128 keys). The 4 queries' 32 heads are stacked into one M = 128
-wgmma tile against 128 keys (K = 128 channels); relu and the head weight are applied on the fp32
-accumulator, the 32 heads of each query are summed through shared memory, and keys outside a
-row's window are written as −inf. Key tiles past every row of the block (the causal upper
-triangle) skip the GEMM and only write −inf. Rows and keys are dynamic (one build per head count
-and head dim); the host pads both to whole tiles.
+Kernel: one CTA per (4 queries, 512 keys). The 4 queries' 32-head q rows stay in shared memory
+while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile and query one
+wgmma [128 keys × 32 heads] (K = 128 channels), relu and the head weights on the fp32
+accumulator, and the head sum as a row reduction inside the accumulator (no fp32 score tile in
+shared memory); keys outside a row's window are written as −inf. Key chunks past every row of
+the block (the causal upper triangle) skip the GEMMs and only write −inf. Rows and keys are
+dynamic (one build per head count and head dim); the host pads both to whole tiles. H200, 8K
+tokens: 1.6 ms for the score blocks (the previous one-tile-per-CTA kernel with the head sum
+through a 64 KB shared tile: 2.2 ms; tile sizes compared in benchmarks/results/…runLM…).
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -27,48 +30,57 @@ import torch
 
 from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
 
-ROW_BLOCK = 4096  # rows per torch.topk call: the score block is ROW_BLOCK · window · 4 bytes
-QUERIES, KEYS = 4, 128  # queries and keys per CTA
+ROW_BLOCK = 4096  # rows per selection call: the score block is ROW_BLOCK · window · 4 bytes
+QUERIES = 4  # queries per CTA
+KEYS = 128  # keys per GEMM tile
+CHUNK = 512  # keys per CTA: CHUNK // KEYS tiles walked with Q resident and K double-buffered
 
 
-def logits_kernel(heads: int, dim: int, threads: int = 256):
+def logits_kernel(heads: int, dim: int, queries: int = QUERIES, chunk: int = CHUNK, threads: int = 256):
     tilelang, T = _tl()
-    m_rows = QUERIES * heads
-    assert m_rows % 64 == 0
+    m_rows = queries * heads
+    assert chunk % KEYS == 0
     bf16, f32 = T.bfloat16, T.float32
     nq = T.dynamic("query_head_rows")  # rows · heads
     n = T.dynamic("rows")
-    m = T.dynamic("keys")
+    m = T.dynamic("keys")  # a multiple of chunk (the host pads)
     nb = T.dynamic("row_blocks")
+    qids = tuple(range(queries))  # a Python tuple: the loops over it unroll at trace time
 
     @T.prim_func
     def main(Q: T.Tensor([nq, dim], bf16), K: T.Tensor([m, dim], bf16), W: T.Tensor([nq], f32),
              Ks: T.Tensor([n], T.int32), Ke: T.Tensor([n], T.int32), BlockEnd: T.Tensor([nb], T.int32),
              L: T.Tensor([n, m], f32)):
-        with T.Kernel(T.ceildiv(m, KEYS), nb, threads=threads) as (bk, bq):
+        with T.Kernel(T.ceildiv(m, chunk), nb, threads=threads) as (bc, bq):
             q_s = T.alloc_shared([m_rows, dim], bf16)
             k_s = T.alloc_shared([KEYS, dim], bf16)
-            s_s = T.alloc_shared([m_rows, KEYS], f32)
-            acc = T.alloc_fragment([m_rows, KEYS], f32)
-            tot = T.alloc_fragment([QUERIES, KEYS], f32)
-            if bk * KEYS < BlockEnd[bq]:
+            w_s = T.alloc_shared([m_rows], f32)
+            o_s = T.alloc_shared([queries, KEYS], f32)
+            # One [keys, heads] accumulator per query: the head sum is then a row reduction
+            # inside the accumulator (no fp32 score tile in shared memory).
+            accs = [T.alloc_fragment([KEYS, heads], f32) for _ in qids]
+            tots = [T.alloc_fragment([KEYS], f32) for _ in qids]
+            if bc * chunk < BlockEnd[bq]:
                 T.copy(Q[bq * m_rows:(bq + 1) * m_rows, :], q_s)
-                T.copy(K[bk * KEYS:(bk + 1) * KEYS, :], k_s)
-                T.clear(acc)
-                T.gemm(q_s, k_s, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for r, j in T.Parallel(m_rows, KEYS):
-                    s_s[r, j] = T.max(acc[r, j], 0) * W[bq * m_rows + r]
-                T.clear(tot)
-                for i, j in T.Parallel(QUERIES, KEYS):
-                    for h in T.serial(heads):
-                        tot[i, j] += s_s[i * heads + h, j]
-                for i, j in T.Parallel(QUERIES, KEYS):
-                    row = bq * QUERIES + i
-                    col = bk * KEYS + j
-                    L[row, col] = T.if_then_else((col >= Ks[row]) & (col < Ke[row]), tot[i, j], -T.infinity(f32))
-            else:
-                for i, j in T.Parallel(QUERIES, KEYS):
-                    L[bq * QUERIES + i, bk * KEYS + j] = -T.infinity(f32)
+                T.copy(W[bq * m_rows:(bq + 1) * m_rows], w_s)
+                for kt in T.Pipelined(chunk // KEYS, num_stages=2):
+                    k0 = bc * chunk + kt * KEYS
+                    T.copy(K[k0:k0 + KEYS, :], k_s)
+                    for i in qids:
+                        T.gemm(k_s, q_s[i * heads:(i + 1) * heads, :], accs[i], transpose_B=True,
+                               clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for i in qids:
+                        for r, h in T.Parallel(KEYS, heads):
+                            accs[i][r, h] = T.max(accs[i][r, h], 0) * w_s[i * heads + h]
+                        T.reduce_sum(accs[i], tots[i], dim=1)
+                        T.copy(tots[i], o_s[i, :])
+                    for i, j in T.Parallel(queries, KEYS):
+                        row = bq * queries + i
+                        L[row, k0 + j] = T.if_then_else((k0 + j >= Ks[row]) & (k0 + j < Ke[row]), o_s[i, j],
+                                                        -T.infinity(f32))
+            else:  # above every row's causal end: no GEMM
+                for i, j in T.Parallel(queries, chunk):
+                    L[bq * queries + i, bc * chunk + j] = -T.infinity(f32)
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
@@ -95,13 +107,14 @@ def reference_logits_kernel(heads: int, dim: int):
 
 
 def block_scores(q, k, weights, starts, r0: int, r1: int, kernel=None):
-    """Scores of rows [r0, r1) over their key window [w0, r1): (scores [r1 − r0, r1 − w0] fp32 with
-    −inf outside each row's window, w0). `kernel`: logits_kernel's signature (default: ours)."""
+    """Scores of rows [r0, r1) over their key window [w0, r1): (scores [n_pad, m_pad] fp32, w0) —
+    whole tiles; rows past r1 − r0 and keys outside a row's window are −inf. `kernel`:
+    logits_kernel's signature (default: ours)."""
     heads, dim = q.shape[1:]
     n = r1 - r0
     w0 = int(starts[r0:r1].min())  # one sync per block
     m = r1 - w0
-    n_pad, m_pad = _ceil_to(n, QUERIES), _ceil_to(m, KEYS)
+    n_pad, m_pad = _ceil_to(n, QUERIES), _ceil_to(m, CHUNK)
     qp = q.new_zeros(n_pad, heads, dim)
     qp[:n] = q[r0:r1]
     kp = k.new_zeros(m_pad, dim)
@@ -116,24 +129,35 @@ def block_scores(q, k, weights, starts, r0: int, r1: int, kernel=None):
     scores = torch.empty(n_pad, m_pad, dtype=torch.float32, device=q.device)
     kernel = kernel or get_logits_kernel(heads, dim)
     kernel(qp.view(-1, dim), kp, wp.view(-1), ks, ke, block_end, scores)
-    return scores[:n, :m], w0
+    return scores, w0
+
+
+def torch_select(scores, topk: int, out, base: int):
+    """radix_topk.select's contract by torch.topk, also for rows shorter than topk (then it fills
+    only the first min(topk, columns) slots of `out`)."""
+    best, idx = scores[:out.shape[0]].topk(min(topk, scores.shape[1]), dim=-1, sorted=False)
+    out[:, :idx.shape[1]] = torch.where(best == float("-inf"), -1, idx + base)
+    return out
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
-                topk: int, row_block: int = ROW_BLOCK, kernel=None) -> torch.Tensor:
+                topk: int, row_block: int = ROW_BLOCK, kernel=None, select=None) -> torch.Tensor:
     """attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded) with the
     scores from our kernel; non-bf16 or CPU inputs go to the torch version unchanged. `kernel`
-    replaces the score kernel (reference_logits_kernel runs this host code on the CPU)."""
+    replaces the score kernel (reference_logits_kernel runs this host code on the CPU); `select`
+    replaces the selection (default: our radix select on the GPU, `torch_select` with `kernel`)."""
     from glm5_bridge.attention import topk as torch_topk
+    from glm5_bridge.kernels import radix_topk
 
     if kernel is None and not (q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16):
         return torch_topk.select_topk(q, k, weights, starts, topk)
+    select = select or (torch_select if kernel is not None else radix_topk.select)
     total = k.shape[0]
     out = torch.full((total, topk), -1, dtype=torch.int64, device=k.device)
     q, k, weights = q.contiguous(), k.contiguous(), weights.float()
     for r0 in range(0, total, row_block):
         r1 = min(r0 + row_block, total)
         scores, w0 = block_scores(q, k, weights, starts, r0, r1, kernel)
-        best, idx = scores.topk(min(topk, scores.shape[1]), dim=-1, sorted=False)
-        out[r0:r1, :idx.shape[1]] = (idx + w0).masked_fill(best == float("-inf"), -1)
+        # A window of at most topk keys is taken whole; torch.topk does that cheaply.
+        (select if scores.shape[1] >= topk else torch_select)(scores, topk, out[r0:r1], w0)
     return out
