@@ -18,7 +18,8 @@ shared memory); keys outside a row's window are written as −inf. Key chunks pa
 the block (the causal upper triangle) skip the GEMMs and only write −inf. Rows and keys are
 dynamic (one build per head count and head dim); the host pads both to whole tiles. H200, 8K
 tokens: 1.6 ms for the score blocks (the previous one-tile-per-CTA kernel with the head sum
-through a 64 KB shared tile: 2.2 ms; tile sizes compared in benchmarks/results/…runLM…).
+through a 64 KB shared tile: 2.2 ms; other values of QUERIES and CHUNK measured in
+benchmarks/results/…runLM…).
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -36,8 +37,10 @@ KEYS = 128  # keys per GEMM tile
 CHUNK = 512  # keys per CTA: CHUNK // KEYS tiles walked with Q resident and K double-buffered
 
 
-def logits_kernel(heads: int, dim: int, queries: int = QUERIES, chunk: int = CHUNK, threads: int = 256):
+def logits_kernel(heads: int, dim: int, threads: int = 256):
+    """Tile sizes are the module's QUERIES / KEYS / CHUNK, which block_scores pads to."""
     tilelang, T = _tl()
+    queries, chunk = QUERIES, CHUNK
     m_rows = queries * heads
     assert chunk % KEYS == 0
     bf16, f32 = T.bfloat16, T.float32
