@@ -9,9 +9,9 @@ Prints one `RESULT {json}` line per measurement and a table last; writes every r
 Sparse MLA (q [S,H,576], kv [S,576], top-k 2048 random causal, one sequence of S tokens; the
 slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns them):
   ours      our fwd and bwd kernels (kernels/sparse_mla_fwd.py, sparse_mla_bwd.py), raw calls; they
-            skip a row's empty 64-slot blocks. `ours_interleaved`: the same kernels on the slots
+            skip a row's empty slot blocks. `ours_interleaved`: the same kernels on the slots
             as drawn (−1 interleaved: nothing to skip); `ours_fwd_noskip`: the forward built
-            without skipping (2-stage pipeline, the kernel of earlier runs)
+            without skipping (64-key blocks, 2-stage pipeline, the kernel of earlier runs)
   upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
   iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs, fed the interleaved
             slots: its reordering is timed), GLM5_DSA_KERNELS=upstream and =ours

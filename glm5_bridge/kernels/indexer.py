@@ -11,15 +11,16 @@ score block — never [T, T] — and causal blocks score half the keys on averag
 (radix_topk.py) then takes each row's top-k within the block.
 
 Kernel: one CTA per (4 queries, 512 keys). The 4 queries' 32-head q rows stay in shared memory
-while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile and query one
-wgmma [128 keys × 32 heads] (K = 128 channels), relu and the head weights on the fp32
-accumulator, and the head sum as a row reduction inside the accumulator (no fp32 score tile in
-shared memory); keys outside a row's window are written as −inf. Key chunks past every row of
-the block (the causal upper triangle) skip the GEMMs and only write −inf. Rows and keys are
-dynamic (one build per head count and head dim); the host pads both to whole tiles. H200, 8K
-tokens: 1.6 ms for the score blocks (the previous one-tile-per-CTA kernel with the head sum
-through a 64 KB shared tile: 2.2 ms; other values of QUERIES and CHUNK measured in
-benchmarks/results/…runLM…).
+while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile one wgmma
+[128 keys × (4 queries · 32 heads)] (K = 128 channels), relu and the head weights on the fp32
+accumulator, and each query's head sum as a reduction over its 32 columns inside the accumulator
+(no fp32 score tile in shared memory); keys outside a row's window are written as −inf. Key
+chunks past every row of the block (the causal upper triangle) skip the GEMM and only write −inf.
+Rows and keys are dynamic (one build per head count and head dim); the host pads both to whole
+tiles. H200, 8K / 32K tokens (run O): 1.06 / 11.5 ms for the score blocks. One N = 128 wgmma per
+tile instead of four N = 32 ones (1.58 / 18.6 ms) re-reads the key tile from shared memory once
+instead of four times and needs 127 registers instead of 164, so two CTAs share an SM. Other
+tile sizes: benchmarks/results/…runLM… and …runO….
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -48,7 +49,6 @@ def logits_kernel(heads: int, dim: int, threads: int = 256):
     n = T.dynamic("rows")
     m = T.dynamic("keys")  # a multiple of chunk (the host pads)
     nb = T.dynamic("row_blocks")
-    qids = tuple(range(queries))  # a Python tuple: the loops over it unroll at trace time
 
     @T.prim_func
     def main(Q: T.Tensor([nq, dim], bf16), K: T.Tensor([m, dim], bf16), W: T.Tensor([nq], f32),
@@ -59,24 +59,22 @@ def logits_kernel(heads: int, dim: int, threads: int = 256):
             k_s = T.alloc_shared([KEYS, dim], bf16)
             w_s = T.alloc_shared([m_rows], f32)
             o_s = T.alloc_shared([queries, KEYS], f32)
-            # One [keys, heads] accumulator per query: the head sum is then a row reduction
-            # inside the accumulator (no fp32 score tile in shared memory).
-            accs = [T.alloc_fragment([KEYS, heads], f32) for _ in qids]
-            tots = [T.alloc_fragment([KEYS], f32) for _ in qids]
+            # keys × (query, head): one wgmma with N = queries · heads per tile; each query's head
+            # sum is then a reduction over its `heads` columns inside the accumulator
+            acc = T.alloc_fragment([KEYS, m_rows], f32)
+            tot = T.alloc_fragment([KEYS, queries], f32)
             if bc * chunk < BlockEnd[bq]:
                 T.copy(Q[bq * m_rows:(bq + 1) * m_rows, :], q_s)
                 T.copy(W[bq * m_rows:(bq + 1) * m_rows], w_s)
                 for kt in T.Pipelined(chunk // KEYS, num_stages=2):
                     k0 = bc * chunk + kt * KEYS
                     T.copy(K[k0:k0 + KEYS, :], k_s)
-                    for i in qids:
-                        T.gemm(k_s, q_s[i * heads:(i + 1) * heads, :], accs[i], transpose_B=True,
-                               clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for i in qids:
-                        for r, h in T.Parallel(KEYS, heads):
-                            accs[i][r, h] = T.max(accs[i][r, h], 0) * w_s[i * heads + h]
-                        T.reduce_sum(accs[i], tots[i], dim=1)
-                        T.copy(tots[i], o_s[i, :])
+                    T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for r, c in T.Parallel(KEYS, m_rows):
+                        acc[r, c] = T.max(acc[r, c], 0) * w_s[c]
+                    T.reduce_sum(T.reshape(acc, [KEYS, queries, heads]), tot, dim=2)
+                    for r, i in T.Parallel(KEYS, queries):
+                        o_s[i, r] = tot[r, i]
                     for i, j in T.Parallel(queries, KEYS):
                         row = bq * queries + i
                         L[row, k0 + j] = T.if_then_else((k0 + j >= Ks[row]) & (k0 + j < Ke[row]), o_s[i, j],

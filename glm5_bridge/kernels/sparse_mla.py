@@ -129,7 +129,7 @@ def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 def kernel_indices(topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, K] integer flat indices → ([1, T, 1, Kp] int32, every empty slot exactly −1 and after
     every used one (used slots keep their order); [T] int32 count of used slots per row). Our
-    kernels stop at a row's last used 64-slot block, so a query that sees fewer than K keys (the
+    kernels stop at a row's last used slot block, so a query that sees fewer than K keys (the
     first K tokens of every sequence) costs only its own keys, whatever order the indices came in
     (select_topk already puts −1 last; a replayed top-k need not). Attention does not depend on
     slot order."""

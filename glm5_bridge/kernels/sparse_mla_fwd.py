@@ -11,13 +11,14 @@ out [T, H, 512] bf16, lse [T, H] fp32. T and Tkv are *dynamic* in the compiled k
 serves every sequence length: no padding copies, no recompiles); H, K and the scale are baked in.
 
 Kernel ("simple"; measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md): one CTA per
-(token, 64-head block), 256 threads; each 64-key block is gathered into shared memory (cp.async
-through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax, O += P·V — the textbook
-flash-attention loop. It walks only a token's *active* slots, ceil(cnt[t] / 64) blocks where
+(token, 64-head block), 256 threads; each block of keys (128 at 64 heads, `block_keys`) is
+gathered into shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on both warpgroups (each an
+m64n64 wgmma over its half of the keys), online softmax, O += P·V in 64-key halves — the textbook
+flash-attention loop. It walks only a token's *active* slots, ceil(cnt[t] / block) blocks where
 cnt[t] = 1 + the last non-empty slot (`active_slots`): rows whose −1 slots come last (select_topk's
 order, which `SparseMLA` enforces) skip their empty blocks, e.g. the first 2048 tokens of a causal
-sequence. 6.13 ms = 381 TFLOP/s nominal over all slots so (upstream 7.98 ms in the same run, run K);
-on slots with −1 interleaved (nothing to skip, one pipeline stage: SKIP_NOTE) 7.79 ms.
+sequence. Run P: 5.18 ms = 451 TFLOP/s nominal over all slots (64-key blocks: 6.09 ms = 384, run
+O; upstream 7.95 ms in the same run); on slots with −1 interleaved (nothing to skip) 6.55 ms.
 Two warp-specialised variants (a producer warpgroup feeding two math warpgroups through mbarriers;
 277 and 98 TFLOP/s) were slower and are gone (git history before 2026-12-03; docs/kernels.md).
 """
@@ -36,6 +37,9 @@ def _tl():
     import tilelang
     import tilelang.language as T
 
+    from glm5_bridge.kernels import tilelang_compat
+
+    tilelang_compat.install()  # before any kernel is built
     return tilelang, T
 
 
@@ -48,6 +52,20 @@ def _pass_configs(tilelang):
 # cannot build a cp.async pipeline deeper than num_stages=1 (its epilogue's wait count becomes an
 # expression: "Downcast from tirx.Sub to ir.IntImm failed" in codegen), so skipping kernels run
 # one stage (the next block's gather still overlaps this block's math).
+
+
+PV_KEYS = 64  # keys per P·V GEMM (and per P tile in shared memory)
+
+
+def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
+    """Keys per step of the forward. 128 at 64 heads: each warpgroup's share of S = Q·Kᵀ is an
+    m64n64 wgmma instead of m64n32 (a third less shared-memory traffic per key) and the softmax
+    exchanges row statistics once per 128 keys. Shared memory: Q 72 KB + 128 keys 144 KB + one
+    64-key P tile 8 KB = 224 KB, so P·V runs in two 64-key halves. H200, 8K tokens: 5.18 against
+    6.09 ms with 64 keys (runs P, O). 64 without skipping (two pipeline stages would not fit),
+    below 64 heads (at 16 heads TileLang 0.1.15 cannot lower the 128-wide row reductions) and when
+    top-k is not a multiple of 128."""
+    return 128 if skip_empty and min(heads, 64) == 64 and topk % 128 == 0 else 64
 
 
 def scores_macro(T, hb: int, block_i: int):
@@ -67,12 +85,16 @@ def scores_macro(T, hb: int, block_i: int):
     return scores
 
 
-def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, threads: int = 256,
+def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = None, threads: int = 256,
                   num_stages: int | None = None, dtype: str = "bfloat16", skip_empty: bool = True):
-    """skip_empty=False walks all top-k blocks whatever Cnt says (the benchmark's baseline)."""
+    """block_i: keys per step, default block_keys(heads, topk, skip_empty). skip_empty=False walks
+    all top-k blocks whatever Cnt says (the benchmark's baseline, 64-key blocks in two stages)."""
     tilelang, T = _tl()
-    assert topk % block_i == 0
     hb = min(heads, 64)
+    block_i = block_i or block_keys(heads, topk, skip_empty)
+    half = min(block_i, PV_KEYS)  # P goes through shared memory PV_KEYS keys at a time
+    halves = tuple(range(block_i // half))  # a Python tuple: unrolled at trace time
+    assert topk % block_i == 0 and block_i % half == 0
     assert heads % hb == 0 and hb >= 16
     nhb, c = heads // hb, scale * LOG2E
     num_stages = num_stages or (1 if skip_empty else 2)  # see SKIP_NOTE
@@ -90,7 +112,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
             k_s = T.alloc_shared([block_i, D_V], dt)
             kt_s = T.alloc_shared([block_i, D_TAIL], dt)
-            p_s = T.alloc_shared([hb, block_i], dt)
+            p_s = T.alloc_shared([hb, half], dt)
             acc_s = T.alloc_fragment([hb, block_i], f32)
             acc_o = T.alloc_fragment([hb, D_V], f32)
             m = T.alloc_fragment([hb], f32)
@@ -105,7 +127,10 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -(2.0**30))
-            for i in T.Pipelined(T.ceildiv(Cnt[t], block_i) if skip_empty else topk // block_i,
+            # At least one step, written inline (a named trip count becomes a let the simplifier
+            # cannot see through): then the peeled last step is not wrapped statement by
+            # statement in "if any step". An all-empty row's one step adds nothing (its P is 0).
+            for i in T.Pipelined(T.max(T.ceildiv(Cnt[t], block_i), 1) if skip_empty else topk // block_i,
                                  num_stages=num_stages):
                 scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.copy(m, m_old)
@@ -119,8 +144,19 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int = 64, thread
                     l[h] = l[h] * alpha[h] + rs[h]
                 for h, d in T.Parallel(hb, D_V):
                     acc_o[h, d] = acc_o[h, d] * alpha[h]
-                T.copy(acc_s, p_s)
-                T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                if len(halves) == 1:
+                    T.copy(acc_s, p_s)
+                    T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+                else:
+                    for j in halves:
+                        # The loop spans the whole accumulator and keeps part j: a loop over only
+                        # acc_s[:, j·half:(j+1)·half] gets a wrong thread binding in TileLang 0.1.15
+                        # (the second warpgroup's rows were written past the end of p_s).
+                        for h, r in T.Parallel(hb, block_i):
+                            if r // half == j:
+                                p_s[h, r % half] = acc_s[h, r]
+                        # rows j·half… of k_s: tilelang_compat item 1 corrects this slice's B offsets
+                        T.gemm(p_s, k_s[j * half:(j + 1) * half, :], acc_o, policy=T.GemmWarpPolicy.FullRow)
             for h, d in T.Parallel(hb, D_V):
                 acc_o[h, d] = T.if_then_else(l[h] > 0, acc_o[h, d] / l[h], 0)
             for h in T.Parallel(hb):
