@@ -137,6 +137,23 @@ def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
     assert active_slots(torch.full((2, 64), -1, dtype=torch.int32)).tolist() == [0, 0]
 
 
+def test_forward_block_divides_every_kernel_topk():
+    """The forward's keys per step (128 at 64 heads and top-k 2048, sparse_mla_fwd.block_keys) divide
+    the padded top-k the kernels get, for every head count and top-k the backend accepts: a block
+    chosen by the head count alone would be 128 for 64 heads at top-k 320 (a multiple of 64 only)
+    and fail the kernel's `topk % block_i` assertion at build time."""
+    from glm5_bridge.kernels.sparse_mla import kernel_heads, kernel_topk
+    from glm5_bridge.kernels.sparse_mla_fwd import block_keys
+
+    for heads in range(1, 129):
+        for topk in range(1, 4200, 13):
+            h, k = kernel_heads(heads), kernel_topk(topk)
+            assert k % block_keys(h, k) == 0, (heads, topk)
+    chosen = [block_keys(64, 2048), block_keys(128, 2048), block_keys(64, 320), block_keys(16, 2048)]
+    assert chosen == [128, 128, 64, 64]
+    assert block_keys(64, 2048, skip_empty=False) == 64  # the benchmark's two-stage baseline
+
+
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
 def test_fused_autograd_glue_matches_unfused(heads, topk):
     lengths = [20, 17, 13]
