@@ -268,8 +268,10 @@ def test_sglang_round_trip_packed_index_share(model, tmp_path):
     keep = torch.ones(sum(LENGTHS), dtype=torch.bool)
     keep[last] = False
     # The final positions attend differently (window row), so their MoE routing changes and the
-    # expert batches regroup: other positions then agree to rounding, not bit for bit.
-    assert (out[keep] - recorded[0][keep]).abs().max() <= 1e-6
+    # expert batches regroup: other positions then agree to rounding, not bit for bit. How much
+    # rounding depends on the CPU's thread count (1.5e-6 with 2 threads), so the bound is the
+    # file's fp32 parity bound, still 1000× under the window rows' difference below.
+    assert (out[keep] - recorded[0][keep]).abs().max() <= TOL
     assert (out[~keep] - recorded[0][~keep]).abs().max() > 1e-2  # the window row is not the recorded one
     assert torch.equal(out_lazy, out)
     # Training on tokens[:-1] lines the rows up exactly: the whole output is the recording's.
