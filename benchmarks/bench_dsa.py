@@ -283,7 +283,7 @@ def bwd_variants(heads=64):
             dq = torch.empty(q.shape, dtype=q.dtype, device="cuda")  # dq_dtype("bfloat16")
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
             kernel(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
-            return dq, dkv
+            return dq, dkv[:, ours_bwd.fused_dkv_order(dkv.device)]  # its channel order (DKV_ADD)
         return run
 
     def split(q, kv, dout, idx, cnt, lse, delta):  # the whole sequence as one token chunk

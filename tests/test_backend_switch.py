@@ -154,6 +154,27 @@ def test_forward_block_divides_every_kernel_topk():
     assert block_keys(64, 2048, skip_empty=False) == 64  # the benchmark's two-stage baseline
 
 
+def test_fused_dkv_order_groups_each_threads_columns():
+    """The fused backward adds dKV 16 bytes per thread into a channel-permuted dkv (sparse_mla_bwd
+    DKV_ADD) and `bwd` undoes it with fused_dkv_order. Pin the layout the CUDA side assumes: a
+    permutation within each 16-channel block in which the columns thread q holds of one row
+    (2q, 2q+1 of the block's first 8 and of its second 8) land on 4 consecutive floats at 4q."""
+    from glm5_bridge.kernels.sparse_mla_bwd import fused_dkv_order
+
+    order = fused_dkv_order()
+    assert sorted(order.tolist()) == list(range(D_QK))
+    assert torch.equal(order // 16, torch.arange(D_QK) // 16)
+    for block in range(D_QK // 16):
+        for q in range(4):
+            cols = [16 * block + c for c in (2 * q, 2 * q + 1, 8 + 2 * q, 9 + 2 * q)]
+            assert order[cols].tolist() == [16 * block + 4 * q + i for i in range(4)]
+    # undoing it: the kernel's column order[c] holds true column c
+    true = torch.randn(3, D_QK)
+    stored = torch.empty_like(true)
+    stored[:, order] = true
+    assert torch.equal(stored[:, order], true)
+
+
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
 def test_fused_autograd_glue_matches_unfused(heads, topk):
     lengths = [20, 17, 13]

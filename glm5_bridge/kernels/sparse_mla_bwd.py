@@ -13,10 +13,12 @@ heads and up: H = 128 runs as two head blocks of one launch):
               of 64 gathered keys: recomputes S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS
               (both kept in shared memory); dq += dS·K in registers (64×576 fp32, wgmma); then the
               block's dKV rows = dSᵀ·Q + Pᵀ·dO, 128 channels at a time (M = 64 wgmma tiles summed
-              over heads), added into dkv[idx] straight from the accumulator (8-byte fp32
-              atomics) while the next block's keys are already loading. No P/dS tensor in global
-              memory, Q and dO read once. H200, 8K tokens: 18.1 ms against 20.0 for the split below.
-Below 64 heads (16 at TP=4, where the split measured faster: 15.6 vs 16.2 ms at 8K) two kernels:
+              over heads), added into dkv[idx] straight from the accumulator (16-byte fp32
+              atomics into a channel-permuted dkv, DKV_ADD; `bwd` puts the channels back) while
+              the next block's keys are already loading. No P/dS tensor in global memory, Q and
+              dO read once. H200, 8K tokens: 15.25 ms (18.1 with 8-byte adds; the split below 20.0).
+Below 64 heads (16 at TP=4, where the split measured faster: 15.6 vs 16.2 ms at 8K, both with
+8-byte adds then) two kernels:
   ds_kernel:  the same walk without the dKV part; writes P and dS ([T, H, K], the input dtype).
   dkv_kernel: one CTA per token and half of the channels, all heads: the dKV rows of each block
               staged in shared memory and added 16 bytes per thread along a row; two CTAs per SM.
@@ -47,6 +49,45 @@ def dq_dtype(dtype: str) -> str:
     return "float32" if dtype == "float16" else dtype
 
 
+# The fused kernel's dKV adds, 16 bytes per thread, into dkv stored with its channels permuted
+# within each 16-channel block (`fused_dkv_order` undoes it). A wgmma accumulator tile (m64nN,
+# FullRow over two warpgroups: warpgroup w holds columns [w·N/2, (w+1)·N/2)) gives thread
+# q = lane % 4, per 8 columns, the pair 2q, 2q+1 of row r = 16·warp + lane/4 (and of row r + 8).
+# Stored at 4q + {0, 1} (first 8) and 4q + {2, 3} (second 8) of the 16-channel block, a thread's
+# two pairs of a block are 4 consecutive floats: one red.global.add.v4.f32 instead of two .v2,
+# and a warp's instruction covers 64 contiguous bytes of each of 8 rows instead of 32 bytes.
+# acc: the thread's fragment (pairs in column order, row r then row r + 8); idx: the block's 64
+# slot indices; dkv: column 0 of the tile in row 0. This reads TileLang 0.1.15's wgmma fragment
+# layout by hand; if a TileLang release changes it, tests/gpu/test_sparse_mla_bwd.py's dkv fails.
+DKV_ADD = r"""
+template <int N>
+__device__ __forceinline__ void glm5_dkv_add(const float* acc, const int* idx, float* dkv,
+                                             int first_added, int num_kv) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int r = ((tid & 127) >> 5) * 16 + (lane >> 2);
+  const int row0 = idx[r], row1 = idx[r + 8];
+  const bool add0 = row0 >= first_added && row0 < num_kv, add1 = row1 >= first_added && row1 < num_kv;
+  float* base = dkv + (tid >> 7) * (N / 2) + 4 * (lane & 3);
+  float* dst0 = base + (long long)(add0 ? row0 : 0) * 576;
+  float* dst1 = base + (long long)(add1 ? row1 : 0) * 576;
+  #pragma unroll
+  for (int b = 0; b < N / 32; ++b) {
+    const float* a = acc + 8 * b;
+    if (add0) atomicAdd(reinterpret_cast<float4*>(dst0 + 16 * b), make_float4(a[0], a[1], a[4], a[5]));
+    if (add1) atomicAdd(reinterpret_cast<float4*>(dst1 + 16 * b), make_float4(a[2], a[3], a[6], a[7]));
+  }
+}
+"""
+
+
+def fused_dkv_order(device=None) -> torch.Tensor:
+    """[576] int64: column c of the true dkv is column order[c] of the fused kernel's dkv (channels
+    permuted within 16-channel blocks, DKV_ADD): c = 16b + 8h + 2q + e sits at 16b + 4q + 2h + e."""
+    c = torch.arange(D_QK, device=device)
+    b, h, q, e = c // 16, (c // 8) % 2, (c // 2) % 4, c % 2
+    return 16 * b + 4 * q + 2 * h + e
+
+
 def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, threads: int, fused: bool,
                  cols: int = 128, adds: bool = True):
     """ds_kernel and fused_kernel: one CTA per (token, head block) walks the token's active key
@@ -56,6 +97,8 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
     tilelang, T = _tl()
     hb = FUSED_HEADS if fused else min(heads, FUSED_HEADS)
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0
+    # DKV_ADD's fragment layout: an m64 tile over two warpgroups, 16-channel blocks per warpgroup
+    assert not fused or (block_i == 64 and threads == 256 and cols % 32 == 0)
     nhb, c = heads // hb, scale * LOG2E
     first_added = 0 if adds else 2**30  # no index reaches 2^30
     dt, f32 = getattr(T, dtype), T.float32
@@ -65,7 +108,7 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
 
     @T.macro
     def walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, dKV):
-        with T.Kernel(n * nhb, threads=threads) as bx:
+        with T.Kernel(n * nhb, threads=threads, prelude=DKV_ADD if fused else None) as bx:
             q_s = T.alloc_shared([hb, D_V], dt)
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
             do_s = T.alloc_shared([hb, D_V], dt)
@@ -79,7 +122,6 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
             acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
             acc_kv = T.alloc_fragment([block_i, cols], f32)  # this and the next two: fused only
             acc_kvt = T.alloc_fragment([block_i, D_TAIL], f32)
-            idx_f = T.alloc_fragment([block_i], T.int32)  # each thread keeps the rows it adds
             lse = T.alloc_fragment([hb], f32)
             delta = T.alloc_fragment([hb], f32)
             t = bx // nhb
@@ -95,9 +137,6 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
             # heads (measured faster than two stages of 32 keys: 16.0 vs 17.8 ms at 8K), and the
             # run-time trip count allows no deeper pipeline (sparse_mla_fwd.SKIP_NOTE).
             for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=1):
-                if fused:
-                    for r in T.Parallel(block_i):
-                        idx_f[r] = Idx[t, i * block_i + r]
                 scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.clear(acc_dp)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -122,14 +161,14 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
                                clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                         T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
                                policy=T.GemmWarpPolicy.FullRow)
-                        for r, d in T.Parallel(block_i, cols):
-                            if idx_f[r] >= first_added:
-                                T.atomic_add(dKV[idx_f[r], cc * cols + d], acc_kv[r, d])
+                        T.call_extern("handle", f"glm5_dkv_add<{cols}>", acc_kv.data,
+                                      T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, cc * cols]),
+                                      first_added, nkv)
                     T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True,
                            policy=T.GemmWarpPolicy.FullRow)
-                    for r, d in T.Parallel(block_i, D_TAIL):
-                        if idx_f[r] >= first_added:
-                            T.atomic_add(dKV[idx_f[r], D_V + d], acc_kvt[r, d])
+                    T.call_extern("handle", f"glm5_dkv_add<{D_TAIL}>", acc_kvt.data,
+                                  T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, D_V]),
+                                  first_added, nkv)
             T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
             T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
 
@@ -226,13 +265,14 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", b
                  cols: int = 128, threads: int = 256, adds: bool = True):
     """The backward in one pass per (token, 64-head block); see the module docstring. Shared
     memory: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA per SM and no staging buffer
-    for the adds: they go straight from the accumulator fragments (8 bytes per thread, 32 bytes
-    of a row per 4 threads), each thread's two row indices held in registers (read from global
-    memory instead, each add re-reads them — the atomics clobber memory: 18.6 vs 18.2 ms at 8K).
-    cols: dKV channels per wgmma tile — 128 measured faster than 64 (18.4 ms) and as fast as 256
-    (18.0 ms at 8K, 39.1 vs 39.0 at 16K, which spills more registers). adds=False leaves the adds
-    out (behind a run-time condition that never holds, so the GEMMs stay): the benchmark's cost
-    split, not a backward."""
+    for the adds: they go straight from the accumulator fragments, 16 bytes per thread into the
+    channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs `[:, fused_dkv_order()]`), so a
+    warp's add covers 64 contiguous bytes of each of 8 rows. H200, 4K / 8K / 16K tokens: 6.71 /
+    15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in natural channel order (32
+    bytes of 8 rows per instruction; run S, one run). cols: dKV channels per wgmma tile — with
+    the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256 (18.0 ms at 8K,
+    which spills more registers). adds=False leaves the adds out (behind a run-time condition
+    that never holds, so the GEMMs stay): the benchmark's cost split, not a backward."""
     return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds)
 
 
@@ -314,7 +354,7 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None, fused: bool | None = None,
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
     if fused:
         get_fused_kernel(h, k, float(scale), dtype)(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
-        return dq, dkv
+        return dq, dkv[:, fused_dkv_order(dkv.device)]
     ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
     rows = min(t, chunk_tokens)
     p = torch.empty(rows, h, k, dtype=q.dtype, device=q.device)
