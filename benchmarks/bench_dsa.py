@@ -445,6 +445,23 @@ def bench_dense(seqs, heads=64, dim=256, reps=10):
         torch.cuda.empty_cache()
 
 
+def headline():
+    """The issue's headline from this run's rows, where all parts ran: per S at 64 heads, our
+    indexer (scores + top-k) + our sparse-MLA fwd + bwd (raw kernels on used-first slots, the
+    bwd with its delta kernel) against dense SDPA fwd + bwd."""
+    def pick(kind, **match):
+        return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
+
+    for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours" and r["H"] == 64]:
+        s = sparse["S"]
+        index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s)
+        if index is None or dense is None or "bwd_ms" not in sparse:
+            continue
+        total = index["ms"] + sparse["fwd_ms"] + sparse["bwd_ms"]
+        emit("headline", S=s, H=64, indexer_ms=index["ms"], fwd_ms=sparse["fwd_ms"], bwd_ms=sparse["bwd_ms"],
+             total_ms=round(total, 2), dense_fwd_bwd_ms=dense["fwd_bwd_ms"], below_dense=total < dense["fwd_bwd_ms"])
+
+
 def main():
     global OUT_PATH
     ap = argparse.ArgumentParser()
@@ -474,6 +491,7 @@ def main():
         bench_compile()
     if "dense" in parts:
         bench_dense([int(x) for x in a.seqs.split(",")])
+    headline()
     print("\n== summary ==")
     for r in ROWS:
         print(json.dumps({k: v for k, v in r.items() if k != "lengths"}))
