@@ -168,11 +168,6 @@ def test_fused_dkv_order_groups_each_threads_columns():
         for q in range(4):
             cols = [16 * block + c for c in (2 * q, 2 * q + 1, 8 + 2 * q, 9 + 2 * q)]
             assert order[cols].tolist() == [16 * block + 4 * q + i for i in range(4)]
-    # undoing it: the kernel's column order[c] holds true column c
-    true = torch.randn(3, D_QK)
-    stored = torch.empty_like(true)
-    stored[:, order] = true
-    assert torch.equal(stored[:, order], true)
 
 
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128

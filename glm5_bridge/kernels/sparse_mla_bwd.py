@@ -80,6 +80,7 @@ __device__ __forceinline__ void glm5_dkv_add(const float* acc, const int* idx, f
 """
 
 
+@functools.cache  # once per device, not per backward call
 def fused_dkv_order(device=None) -> torch.Tensor:
     """[576] int64: column c of the true dkv is column order[c] of the fused kernel's dkv (channels
     permuted within 16-channel blocks, DKV_ADD): c = 16b + 8h + 2q + e sits at 16b + 4q + 2h + e."""
