@@ -271,10 +271,14 @@ def bench_sparse(seqs, heads_list, reps):
 # ---------------------------------------------------------------------------------------------- bwd parts
 def bwd_variants(heads=64):
     """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
-    "fused" is what bwd() runs at 64 heads; "fused_no_adds" the same without the dKV atomic adds
-    (their cost; wrong dkv); "split" the ds_kernel + dkv_kernel pair (what runs below 64 heads)."""
-    fused = ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16")
-    no_adds = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)
+    "fused" is what bwd() runs at 64 heads (at 16: 16-head blocks, two CTAs per SM);
+    "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "split" the
+    ds_kernel + dkv_kernel pair (what bwd() runs below 64 heads); at 16 heads also
+    "fused_min_blocks_1" (the fused kernel with registers for one CTA per SM)."""
+    variants = {"fused": ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"),
+                "fused_no_adds": ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)}
+    if heads == 16:
+        variants["fused_min_blocks_1"] = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", min_blocks=1)
     ds_k = ours_bwd.get_ds_kernel(heads, TOPK, SCALE, "bfloat16")
     dkv_k = ours_bwd.get_dkv_kernel(heads, TOPK, "bfloat16")
 
@@ -296,28 +300,34 @@ def bwd_variants(heads=64):
         dkv_k(q, dout, idx, cnt, p, ds, dkv)
         return dq, dkv
 
-    return {"fused": one_pass(fused), "fused_no_adds": one_pass(no_adds), "split": split}
+    return {**{name: one_pass(k) for name, k in variants.items()}, "split": split}
 
 
-def bench_bwd_parts(s=8192, heads=64, reps=5):
+def bench_bwd_parts(seqs, heads_list, reps=5):
     """Our backward kernels on their own (delta precomputed, dkv zeroing included), per variant."""
-    gen = torch.Generator(device="cuda").manual_seed(s)
-    q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
-    kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
-    idx = used_first(causal_topk([s], TOPK, gen))
-    cnt = ours_fwd.active_slots(idx)
-    dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
-    out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
-    delta = (out.float() * dout.float()).sum(-1)
-    ref = None
-    for name, run in bwd_variants(heads).items():
-        args = (q, kv, dout, idx, cnt, lse, delta)
-        t, spread = median_ms(lambda: run(*args), reps)
-        dq, dkv = run(*args)
-        ref = ref or (dq, dkv)
-        emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
-             dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-             tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1))
+    for heads in heads_list:
+        variants = bwd_variants(heads)
+        for s in seqs:
+            gen = torch.Generator(device="cuda").manual_seed(s)
+            q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
+            kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
+            idx = used_first(causal_topk([s], TOPK, gen))
+            cnt = ours_fwd.active_slots(idx)
+            dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
+            out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
+            delta = (out.float() * dout.float()).sum(-1)
+            ref = None
+            for name, run in variants.items():
+                args = (q, kv, dout, idx, cnt, lse, delta)
+                t, spread = median_ms(lambda: run(*args), reps)
+                dq, dkv = run(*args)
+                ref = ref or (dq, dkv)
+                emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
+                     dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
+                     tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1))
+                del dq, dkv
+            del q, kv, idx, cnt, dout, out, lse, delta, ref
+            torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------- indexer
@@ -484,7 +494,7 @@ def main():
     if "sparse" in parts:
         bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], a.reps)
     if "bwd_parts" in parts:
-        bench_bwd_parts()
+        bench_bwd_parts([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")])
     if "indexer" in parts:
         bench_indexer([8192, 16384, 32768])
     if "compile" in parts:

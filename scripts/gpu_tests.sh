@@ -45,6 +45,13 @@ i=$((i + 1))  # the backward's two-kernel split at 64 heads, which a test compar
 python3 -c "from glm5_bridge.kernels import sparse_mla_bwd as B; B.get_ds_kernel(64, 2048, 1/16, 'bfloat16'); \
 B.get_dkv_kernel(64, 2048, 'bfloat16')" > "/tmp/compile_$i.log" 2>&1 &
 pids+=($!)
+for dtype in bfloat16 float16; do  # the split at 16 heads, which tests check against the reference
+    i=$((i + 1))
+    python3 -c "from glm5_bridge.kernels import sparse_mla_bwd as B; B.get_ds_kernel(16, 2048, 1/16, '$dtype'); \
+B.get_dkv_kernel(16, 2048, '$dtype')" \
+        > "/tmp/compile_$i.log" 2>&1 &
+    pids+=($!)
+done
 for heads in 32 16; do  # the indexer score kernel: GLM-5 (32 × 128) and the tiny model (16 × 128)
     i=$((i + 1))
     python3 -c "from glm5_bridge.kernels import indexer; indexer.get_logits_kernel($heads, 128)" \

@@ -243,7 +243,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
-    Parts: ours ("fwd", "bwd": the fused kernel at 64+ heads, else the ds + dkv pair, "delta"),
+    Parts: ours ("fwd", "bwd": the fused kernel, or the ds + dkv pair at 32 heads, "delta"),
     upstream ("fwd", "delta", "bwd", "post"); default all."""
     kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)

@@ -8,7 +8,7 @@ Math (see sparse_mla_fwd.py for the forward; lse is saved there, in log2 units, 
     dkv[j]   += Σ_{t,k: idx[t,k]=j} (Σ_h ds[t,h,k] · q[t,h])  +  (Σ_h p[t,h,k] · dout[t,h]) on :512
 
 delta_kernel computes delta (fp32, one read of out and dout). Then, at 64 heads per block (64
-heads and up: H = 128 runs as two head blocks of one launch):
+heads and up: H = 128 runs as two head blocks of one launch) and at 16 heads (TP=4):
   fused_kernel: one CTA per (token, 64-head block), 256 threads. Walks the token's top-k in blocks
               of 64 gathered keys: recomputes S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS
               (both kept in shared memory); dq += dS·K in registers (64×576 fp32, wgmma); then the
@@ -17,8 +17,9 @@ heads and up: H = 128 runs as two head blocks of one launch):
               atomics into a channel-permuted dkv, DKV_ADD; `bwd` puts the channels back) while
               the next block's keys are already loading. No P/dS tensor in global memory, Q and
               dO read once. H200, 8K tokens: 15.25 ms (18.1 with 8-byte adds; the split below 20.0).
-Below 64 heads (16 at TP=4, where the split measured faster: 15.6 vs 16.2 ms at 8K, both with
-8-byte adds then) two kernels:
+              At 16 heads one CTA per (token, 16 heads), 110 KB, two CTAs per SM: 12.2 ms at 8K
+              against 15.7 for the split (run T; with 8-byte adds it was the other way round).
+At 32 heads (not measured) two kernels:
   ds_kernel:  the same walk without the dKV part; writes P and dS ([T, H, K], the input dtype).
   dkv_kernel: one CTA per token and half of the channels, all heads: the dKV rows of each block
               staged in shared memory and added 16 bytes per thread along a row; two CTAs per SM.
@@ -40,7 +41,7 @@ import torch
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
 CHUNK_TOKENS = 4096  # split path: P + dS scratch per chunk, 2 · 4096 · H · K · 2 bytes (0.5 GB at H 16)
-FUSED_HEADS = 64  # head blocks of 64 run fused_kernel; fewer heads the ds_kernel + dkv_kernel split
+FUSED_HEADS = 64  # fused_kernel's head block: min(H, 64) heads per CTA
 
 
 def dq_dtype(dtype: str) -> str:
@@ -90,13 +91,13 @@ def fused_dkv_order(device=None) -> torch.Tensor:
 
 
 def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, threads: int, fused: bool,
-                 cols: int = 128, adds: bool = True):
+                 cols: int = 128, adds: bool = True, min_blocks: int = 1):
     """ds_kernel and fused_kernel: one CTA per (token, head block) walks the token's active key
     blocks — gather, S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS (P and dS into shared
     memory), dq += dS·K — then either stores P and dS (fused=False) or adds the block's dKV rows
-    (fused=True)."""
+    (fused=True). min_blocks > 1: CTAs per SM that ptxas must fit registers for."""
     tilelang, T = _tl()
-    hb = FUSED_HEADS if fused else min(heads, FUSED_HEADS)
+    hb = min(heads, FUSED_HEADS)
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0
     # DKV_ADD's fragment layout: an m64 tile over two warpgroups, 16-channel blocks per warpgroup
     assert not fused or (block_i == 64 and threads == 256 and cols % 32 == 0)
@@ -110,6 +111,8 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
     @T.macro
     def walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, dKV):
         with T.Kernel(n * nhb, threads=threads, prelude=DKV_ADD if fused else None) as bx:
+            if min_blocks > 1:
+                T.annotate_min_blocks_per_sm(min_blocks)
             q_s = T.alloc_shared([hb, D_V], dt)
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
             do_s = T.alloc_shared([hb, D_V], dt)
@@ -263,18 +266,23 @@ def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64
 
 
 def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
-                 cols: int = 128, threads: int = 256, adds: bool = True):
-    """The backward in one pass per (token, 64-head block); see the module docstring. Shared
-    memory: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA per SM and no staging buffer
-    for the adds: they go straight from the accumulator fragments, 16 bytes per thread into the
-    channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs `[:, fused_dkv_order()]`), so a
-    warp's add covers 64 contiguous bytes of each of 8 rows. H200, 4K / 8K / 16K tokens: 6.71 /
-    15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in natural channel order (32
-    bytes of 8 rows per instruction; run S, one run). cols: dKV channels per wgmma tile — with
-    the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256 (18.0 ms at 8K,
-    which spills more registers). adds=False leaves the adds out (behind a run-time condition
-    that never holds, so the GEMMs stay): the benchmark's cost split, not a backward."""
-    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds)
+                 cols: int = 128, threads: int = 256, adds: bool = True, min_blocks: int | None = None):
+    """The backward in one pass per (token, head block of min(heads, 64)); see the module
+    docstring. Shared memory at 64 heads: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA
+    per SM and no staging buffer for the adds: they go straight from the accumulator fragments, 16
+    bytes per thread into the channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs
+    `[:, fused_dkv_order()]`), so a warp's add covers 64 contiguous bytes of each of 8 rows. H200,
+    4K / 8K / 16K tokens: 6.71 / 15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in
+    natural channel order (32 bytes of 8 rows per instruction; run S, one run). cols: dKV channels
+    per wgmma tile — with the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256
+    (18.0 ms at 8K, which spills more registers). At 16 heads a CTA needs 110 KB, so by default two
+    share an SM (min_blocks 2: ptxas then fits the kernel in 128 registers without spills).
+    adds=False leaves the adds out (behind a run-time condition that never holds, so the GEMMs
+    stay): the benchmark's cost split, not a backward."""
+    if min_blocks is None:
+        min_blocks = 2 if heads == 16 else 1
+    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds,
+                        min_blocks=min_blocks)
 
 
 def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int = 128):
@@ -333,8 +341,9 @@ def _dtype_name(x: torch.Tensor) -> str:
 
 
 def uses_fused(heads: int) -> bool:
-    """Whether `bwd` runs fused_kernel (H a multiple of 64) or the ds_kernel + dkv_kernel split."""
-    return heads % FUSED_HEADS == 0
+    """Whether `bwd` runs fused_kernel (H a multiple of 64, or 16: two 16-head CTAs per SM, 12.2
+    vs 15.7 ms for the split at 8K, run T) or the ds_kernel + dkv_kernel split (32: not measured)."""
+    return heads % FUSED_HEADS == 0 or heads == 16
 
 
 def bwd(q, kv, out, dout, idx, lse, scale, used=None, fused: bool | None = None,
@@ -342,7 +351,8 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None, fused: bool | None = None,
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
     (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64.
-    fused: None picks by head count (uses_fused); False forces the split (H ≤ 64), for checks."""
+    fused: None picks by head count (uses_fused); False forces the split (H ≤ 64), True the fused
+    kernel (head blocks of min(H, 64)): for checks and benchmarks."""
     t, h, _ = q.shape
     k = idx.shape[1]
     fused = uses_fused(h) if fused is None else fused

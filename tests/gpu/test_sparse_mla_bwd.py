@@ -6,8 +6,9 @@ so the backward is checked on its own. Error = ‖x − ref‖ / ‖ref‖: dq, 
 ≤ 2e-3 in float16 (3 more mantissa bits). Shapes: packed short sequences (−1 slots interleaved,
 rows with fewer visible keys than top-k, totals not a multiple of 64), one all-empty row (no
 gradient); 64 and 128 heads (the fused kernel; 128 = two head blocks adding into one dkv), 16 heads
-(the ds + dkv split), also in token chunks smaller than T; and the split at 64 heads, which the
-benchmark compares; the slots as drawn and reordered used-first (what SparseMLA passes).
+(the fused kernel, and the ds + dkv split, also in token chunks smaller than T); and the split at
+64 heads, which the benchmark compares; the slots as drawn and reordered used-first (what
+SparseMLA passes).
 """
 
 import pytest
@@ -22,8 +23,9 @@ from glm5_bridge.testing import rel_error as rel
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SCALE, TOPK = 1 / 16, 2048
+# chunk: the split path's token chunks (None: the fused kernel)
 CASES = [([1, 63, 1000, 130], 64, None), ([777], 16, B.CHUNK_TOKENS), ([300, 5], 128, None),
-         ([1, 63, 1000, 130], 16, 500)]  # chunk: the split path's token chunks (None: fused)
+         ([1, 63, 1000, 130], 16, 500), ([1, 63, 1000, 130], 16, None), ([777], 16, None)]
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
@@ -47,8 +49,7 @@ def test_bwd_matches_reference(lengths, heads, chunk, dtype, used_first):
     q, kv, idx, dout = inputs(lengths, heads, dtype, used_first)
     out, lse = F.fwd_reference(q, kv, idx, SCALE)
     out = out.to(dtype)
-    assert B.uses_fused(heads) == (chunk is None)
-    dq, dkv = B.bwd(q, kv, out, dout, idx, lse, SCALE, chunk_tokens=chunk or B.CHUNK_TOKENS)
+    dq, dkv = B.bwd(q, kv, out, dout, idx, lse, SCALE, fused=chunk is None, chunk_tokens=chunk or B.CHUNK_TOKENS)
     ref_dq, ref_dkv = B.bwd_reference(q, kv, out, dout, idx, lse, SCALE)
     empty = min(3, q.shape[0] - 1)
     assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
