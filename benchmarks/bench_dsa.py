@@ -271,16 +271,14 @@ def bench_sparse(seqs, heads_list, reps):
 # ---------------------------------------------------------------------------------------------- bwd parts
 def bwd_variants(heads=64):
     """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
-    "fused" is what bwd() runs at 64 heads (at 16: 16-head blocks, two CTAs per SM);
-    "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "split" the
-    ds_kernel + dkv_kernel pair (what bwd() runs below 64 heads); at 16 heads also
-    "fused_min_blocks_1" (the fused kernel with registers for one CTA per SM)."""
+    "fused" is what bwd() runs (at 16 heads: 16-head blocks, two CTAs per SM); "fused_no_adds"
+    the same without the dKV atomic adds (their cost; wrong dkv); at 16 heads also
+    "fused_min_blocks_1" (registers for one CTA per SM). The two-kernel split these were compared
+    with until run U is in the result files (variant "split")."""
     variants = {"fused": ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"),
                 "fused_no_adds": ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)}
     if heads == 16:
         variants["fused_min_blocks_1"] = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", min_blocks=1)
-    ds_k = ours_bwd.get_ds_kernel(heads, TOPK, SCALE, "bfloat16")
-    dkv_k = ours_bwd.get_dkv_kernel(heads, TOPK, "bfloat16")
 
     def one_pass(kernel):
         def run(q, kv, dout, idx, cnt, lse, delta):
@@ -290,17 +288,7 @@ def bwd_variants(heads=64):
             return dq, dkv[:, ours_bwd.fused_dkv_order(dkv.device)]  # its channel order (DKV_ADD)
         return run
 
-    def split(q, kv, dout, idx, cnt, lse, delta):  # the whole sequence as one token chunk
-        s, h, _ = q.shape
-        p = torch.empty(s, h, TOPK, dtype=q.dtype, device="cuda")
-        ds = torch.empty_like(p)
-        dq = torch.empty(q.shape, dtype=q.dtype, device="cuda")
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-        ds_k(q, kv, dout, idx, cnt, lse, delta, p, ds, dq)
-        dkv_k(q, dout, idx, cnt, p, ds, dkv)
-        return dq, dkv
-
-    return {**{name: one_pass(k) for name, k in variants.items()}, "split": split}
+    return {name: one_pass(k) for name, k in variants.items()}
 
 
 def bench_bwd_parts(seqs, heads_list, reps=5):
@@ -396,8 +384,8 @@ def bench_compile(heads=64, n=20):
     gen = torch.Generator(device="cuda").manual_seed(3)
     lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
     def ours_builds():
-        return sum(f.cache_info().misses for f in (ours_fwd.get_kernel, ours_bwd.get_fused_kernel, ours_bwd.get_ds_kernel,
-                                                   ours_bwd.get_dkv_kernel, ours_bwd.get_delta_kernel))
+        return sum(f.cache_info().misses for f in (ours_fwd.get_kernel, ours_bwd.get_fused_kernel,
+                                                   ours_bwd.get_delta_kernel))
 
     def upstream_builds():
         return len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)

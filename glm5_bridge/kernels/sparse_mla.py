@@ -243,8 +243,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
-    Parts: ours ("fwd", "bwd": the fused kernel, or the ds + dkv pair at 32 heads, "delta"),
-    upstream ("fwd", "delta", "bwd", "post"); default all."""
+    Parts: ours ("fwd", "bwd", "delta"), upstream ("fwd", "delta", "bwd", "post"); default all."""
     kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
@@ -252,17 +251,9 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        B = sparse_mla_bwd
-
-        def build_bwd():
-            if B.uses_fused(hk):
-                B.get_fused_kernel(hk, kp, scale, name)
-            else:
-                B.get_ds_kernel(hk, kp, scale, name)
-                B.get_dkv_kernel(hk, kp, name)
-
-        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name), "bwd": build_bwd,
-                    "delta": lambda: B.get_delta_kernel(hk, name)}
+        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
+                    "bwd": lambda: sparse_mla_bwd.get_fused_kernel(hk, kp, scale, name),
+                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:
         upstream_ops()
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod

@@ -7,26 +7,19 @@ Math (see sparse_mla_fwd.py for the forward; lse is saved there, in log2 units, 
     dq[t,h]   = Σ_k ds[t,h,k] · kv[idx[t,k]]
     dkv[j]   += Σ_{t,k: idx[t,k]=j} (Σ_h ds[t,h,k] · q[t,h])  +  (Σ_h p[t,h,k] · dout[t,h]) on :512
 
-delta_kernel computes delta (fp32, one read of out and dout). Then, at 64 heads per block (64
-heads and up: H = 128 runs as two head blocks of one launch) and at 16 heads (TP=4):
-  fused_kernel: one CTA per (token, 64-head block), 256 threads. Walks the token's top-k in blocks
-              of 64 gathered keys: recomputes S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS
-              (both kept in shared memory); dq += dS·K in registers (64×576 fp32, wgmma); then the
-              block's dKV rows = dSᵀ·Q + Pᵀ·dO, 128 channels at a time (M = 64 wgmma tiles summed
-              over heads), added into dkv[idx] straight from the accumulator (16-byte fp32
-              atomics into a channel-permuted dkv, DKV_ADD; `bwd` puts the channels back) while
-              the next block's keys are already loading. No P/dS tensor in global memory, Q and
-              dO read once. H200, 8K tokens: 15.25 ms (18.1 with 8-byte adds; the split below 20.0).
-              At 16 heads one CTA per (token, 16 heads), 110 KB, two CTAs per SM: 12.2 ms at 8K
-              against 15.7 for the split (run T; with 8-byte adds it was the other way round).
-At 32 heads (not measured) two kernels:
-  ds_kernel:  the same walk without the dKV part; writes P and dS ([T, H, K], the input dtype).
-  dkv_kernel: one CTA per token and half of the channels, all heads: the dKV rows of each block
-              staged in shared memory and added 16 bytes per thread along a row; two CTAs per SM.
-              P and dS cost 2·T·H·K elements of scratch; `bwd` runs this pair over token chunks so
-              that scratch stays bounded (CHUNK_TOKENS) whatever the sequence length.
-The dKV adds (T × used slots × 576 fp32) are what the backward's time is bounded by: they load
-the SM's L1/LSU path (docs/kernels.md has the ncu numbers). All kernels walk only a token's active
+delta_kernel computes delta (fp32, one read of out and dout). Then fused_kernel, one CTA per
+(token, block of min(H, 64) heads; H = 128 runs as two head blocks of one launch), 256 threads:
+walks the token's top-k in blocks of 64 gathered keys: recomputes S = Q·Kᵀ, P from the saved lse,
+dP = dO·Vᵀ, dS (both kept in shared memory); dq += dS·K in registers (wgmma at 64 heads); then the
+block's dKV rows = dSᵀ·Q + Pᵀ·dO, 128 channels at a time (M = 64 wgmma tiles summed over heads),
+added into dkv[idx] straight from the accumulator (16-byte fp32 atomics into a channel-permuted
+dkv, DKV_ADD; `bwd` puts the channels back) while the next block's keys are already loading. No
+P/dS tensor in global memory, no scratch, Q and dO read once. H200, 8K tokens, kernel alone (runs
+T, U): 15.4 ms at 64 heads, 15.3 at 32, 12.2 at 16 (110 KB of shared memory: two CTAs per SM),
+where the two-kernel split it replaced (ds_kernel wrote P and dS to global memory, dkv_kernel
+added the dKV rows; removed after run U, see docs/kernels.md) took 20.1, 18.2 and 15.7 ms. The
+dKV adds (T × used slots × 576 fp32) are what the backward's time is bounded by: they load the
+SM's L1/LSU path (docs/kernels.md has the ncu numbers). The kernel walks only a token's active
 slot blocks (sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
@@ -40,8 +33,7 @@ import torch
 
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
-CHUNK_TOKENS = 4096  # split path: P + dS scratch per chunk, 2 · 4096 · H · K · 2 bytes (0.5 GB at H 16)
-FUSED_HEADS = 64  # fused_kernel's head block: min(H, 64) heads per CTA
+HEAD_BLOCK = 64  # fused_kernel's head block: min(H, 64) heads per CTA
 
 
 def dq_dtype(dtype: str) -> str:
@@ -90,27 +82,42 @@ def fused_dkv_order(device=None) -> torch.Tensor:
     return 16 * b + 4 * q + 2 * h + e
 
 
-def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, threads: int, fused: bool,
-                 cols: int = 128, adds: bool = True, min_blocks: int = 1):
-    """ds_kernel and fused_kernel: one CTA per (token, head block) walks the token's active key
-    blocks — gather, S = Q·Kᵀ, P from the saved lse, dP = dO·Vᵀ, dS (P and dS into shared
-    memory), dq += dS·K — then either stores P and dS (fused=False) or adds the block's dKV rows
-    (fused=True). min_blocks > 1: CTAs per SM that ptxas must fit registers for."""
+def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
+                 cols: int = 128, threads: int = 256, adds: bool = True, min_blocks: int | None = None):
+    """The backward in one pass per (token, head block of min(heads, 64)); see the module
+    docstring. Shared memory at 64 heads: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA
+    per SM and no staging buffer for the adds: they go straight from the accumulator fragments, 16
+    bytes per thread into the channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs
+    `[:, fused_dkv_order()]`), so a warp's add covers 64 contiguous bytes of each of 8 rows. H200,
+    4K / 8K / 16K tokens: 6.71 / 15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in
+    natural channel order (32 bytes of 8 rows per instruction; run S, one run). cols: dKV channels
+    per wgmma tile — with the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256
+    (18.0 ms at 8K, which spills more registers). At 16 heads a CTA needs 110 KB, so by default two
+    share an SM (min_blocks 2: ptxas then fits the kernel in 128 registers without spills; 12.2
+    against 13.3 ms with one CTA per SM at 8K, run T). adds=False leaves the adds out (behind a
+    run-time condition that never holds, so the GEMMs stay): the benchmark's cost split, not a
+    backward."""
     tilelang, T = _tl()
-    hb = min(heads, FUSED_HEADS)
+    hb = min(heads, HEAD_BLOCK)
+    if min_blocks is None:
+        min_blocks = 2 if hb == 16 else 1
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0
     # DKV_ADD's fragment layout: an m64 tile over two warpgroups, 16-channel blocks per warpgroup
-    assert not fused or (block_i == 64 and threads == 256 and cols % 32 == 0)
+    assert block_i == 64 and threads == 256 and cols % 32 == 0
     nhb, c = heads // hb, scale * LOG2E
     first_added = 0 if adds else 2**30  # no index reaches 2^30
     dt, f32 = getattr(T, dtype), T.float32
+    dq_t = getattr(T, dq_dtype(dtype))
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
     scores = scores_macro(T, hb, block_i)
 
-    @T.macro
-    def walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, dKV):
-        with T.Kernel(n * nhb, threads=threads, prelude=DKV_ADD if fused else None) as bx:
+    @T.prim_func
+    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
+             dQ: T.Tensor([n, heads, D_QK], dq_t), dKV: T.Tensor([nkv, D_QK], f32)):
+        with T.Kernel(n * nhb, threads=threads, prelude=DKV_ADD) as bx:
             if min_blocks > 1:
                 T.annotate_min_blocks_per_sm(min_blocks)
             q_s = T.alloc_shared([hb, D_V], dt)
@@ -124,7 +131,7 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
             acc_dp = T.alloc_fragment([hb, block_i], f32)
             acc_dq = T.alloc_fragment([hb, D_V], f32)
             acc_dqt = T.alloc_fragment([hb, D_TAIL], f32)
-            acc_kv = T.alloc_fragment([block_i, cols], f32)  # this and the next two: fused only
+            acc_kv = T.alloc_fragment([block_i, cols], f32)
             acc_kvt = T.alloc_fragment([block_i, D_TAIL], f32)
             lse = T.alloc_fragment([hb], f32)
             delta = T.alloc_fragment([hb], f32)
@@ -150,139 +157,27 @@ def _walk_kernel(heads: int, topk: int, scale: float, dtype: str, block_i: int, 
                     acc_dp[h, r] = acc_s[h, r] * (acc_dp[h, r] - delta[h]) * scale  # ds
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
-                if not fused:
-                    # P and dS leave through shared memory: row-contiguous 16-byte stores instead
-                    # of the accumulator's 4-byte pieces (8.26 vs 9.08 ms at 8K tokens × 64 heads)
-                    T.copy(p_s, P[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
-                    T.copy(ds_s, dS[t, h0:h0 + hb, i * block_i:(i + 1) * block_i])
                 T.gemm(ds_s, k_s, acc_dq, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullRow)
-                if fused:
-                    # the keys are no longer needed: the pipeline starts the next block's gather
-                    # here, so the dKV GEMMs and adds below overlap its latency
-                    for cc in T.serial(D_V // cols):
-                        T.gemm(ds_s, q_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
-                               clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                        T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
-                               policy=T.GemmWarpPolicy.FullRow)
-                        T.call_extern("handle", f"glm5_dkv_add<{cols}>", acc_kv.data,
-                                      T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, cc * cols]),
-                                      first_added, nkv)
-                    T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True,
+                # the keys are no longer needed: the pipeline starts the next block's gather here,
+                # so the dKV GEMMs and adds below overlap its latency
+                for cc in T.serial(D_V // cols):
+                    T.gemm(ds_s, q_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
+                           clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(p_s, do_s[:, cc * cols:(cc + 1) * cols], acc_kv, transpose_A=True,
                            policy=T.GemmWarpPolicy.FullRow)
-                    T.call_extern("handle", f"glm5_dkv_add<{D_TAIL}>", acc_kvt.data,
-                                  T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, D_V]),
+                    T.call_extern("handle", f"glm5_dkv_add<{cols}>", acc_kv.data,
+                                  T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, cc * cols]),
                                   first_added, nkv)
+                T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullRow)
+                T.call_extern("handle", f"glm5_dkv_add<{D_TAIL}>", acc_kvt.data,
+                              T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, D_V]),
+                              first_added, nkv)
             T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
             T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
 
-    dq_t = getattr(T, dq_dtype(dtype))
-    if fused:
-        @T.prim_func
-        def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-                 dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-                 Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
-                 dQ: T.Tensor([n, heads, D_QK], dq_t), dKV: T.Tensor([nkv, D_QK], f32)):
-            walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, None, None, dKV)
-    else:
-        @T.prim_func
-        def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-                 dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-                 Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
-                 P: T.Tensor([n, heads, topk], dt), dS: T.Tensor([n, heads, topk], dt),
-                 dQ: T.Tensor([n, heads, D_QK], dq_t)):
-            walk(Q, KV, dO, Idx, Cnt, Lse, Delta, dQ, P, dS, None)
-
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
-
-
-def ds_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64, threads: int = 256):
-    """The split's first kernel: per (token, ≤ 64-head block), dq and the P and dS tensors
-    ([T, H, K], the input dtype) for dkv_kernel."""
-    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=False)
-
-
-def dkv_kernel(heads: int, topk: int, dtype: str = "bfloat16", block_k: int = 64, cols: int = 64,
-               threads: int = 256):
-    """One CTA per (token, half of the 512 latent channels), all heads (≤ 64); the second half also
-    does the 64 rope channels. Per block of 64 slots and per `cols`-wide slice of its channels:
-    dKV rows = dSᵀ·Q + Pᵀ·dO as an M = 64 wgmma tile summed over heads, staged in shared memory,
-    then added row by row — each thread adds 16 bytes (red.global.add.v4.f32), consecutive
-    threads along a row. Two halves per token halve a CTA's shared memory so that two CTAs share
-    an SM and one's GEMMs overlap the other's adds (docs/kernels.md: what else was tried)."""
-    tilelang, T = _tl()
-    width = D_V // 2  # latent channels per CTA
-    assert topk % block_k == 0 and 16 <= heads <= FUSED_HEADS and width % cols == 0 and D_TAIL <= cols
-    nc = width // cols
-    dt, f32 = getattr(T, dtype), T.float32
-    n = T.dynamic("num_tokens")
-    nkv = T.dynamic("num_kv")
-
-    @T.macro
-    def add_rows(dKV, idx_s, stage, c0, w):
-        for r, d in T.Parallel(block_k, w):
-            if idx_s[r] >= 0:
-                T.atomic_add(dKV[idx_s[r], c0 + d], stage[r, d])
-
-    @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], dt), dO: T.Tensor([n, heads, D_V], dt),
-             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32), P: T.Tensor([n, heads, topk], dt),
-             dS: T.Tensor([n, heads, topk], dt), dKV: T.Tensor([nkv, D_QK], f32)):
-        with T.Kernel(n, 2, threads=threads) as (t, part):
-            c0 = part * width
-            q_s = T.alloc_shared([heads, width], dt)
-            qt_s = T.alloc_shared([heads, D_TAIL], dt)
-            do_s = T.alloc_shared([heads, width], dt)
-            p_s = T.alloc_shared([heads, block_k], dt)
-            ds_s = T.alloc_shared([heads, block_k], dt)
-            idx_s = T.alloc_shared([block_k], T.int32)
-            # rows padded by 4 floats: an unpadded stride of 64 floats (a multiple of the 32 banks)
-            # would put the 8 rows of the accumulator's store pattern on the same banks
-            stage = T.alloc_shared([block_k, cols + 4], f32)
-            acc = T.alloc_fragment([block_k, cols], f32)
-            acc_t = T.alloc_fragment([block_k, D_TAIL], f32)
-            T.copy(Q[t, :, c0:c0 + width], q_s)
-            T.copy(Q[t, :, D_V:D_QK], qt_s)
-            T.copy(dO[t, :, c0:c0 + width], do_s)
-            for j in T.Pipelined(T.ceildiv(Cnt[t], block_k), num_stages=1):
-                T.copy(P[t, :, j * block_k:(j + 1) * block_k], p_s)
-                T.copy(dS[t, :, j * block_k:(j + 1) * block_k], ds_s)
-                T.copy(Idx[t, j * block_k:(j + 1) * block_k], idx_s)
-                for c in T.serial(nc):
-                    T.clear(acc)
-                    T.gemm(ds_s, q_s[:, c * cols:(c + 1) * cols], acc, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullRow)
-                    T.gemm(p_s, do_s[:, c * cols:(c + 1) * cols], acc, transpose_A=True,
-                           policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(acc, stage[:, 0:cols])
-                    add_rows(dKV, idx_s, stage, c0 + c * cols, cols)
-                if part == 1:
-                    T.clear(acc_t)
-                    T.gemm(ds_s, qt_s, acc_t, transpose_A=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.copy(acc_t, stage[:, 0:D_TAIL])
-                    add_rows(dKV, idx_s, stage, D_V, D_TAIL)
-
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
-
-
-def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", block_i: int = 64,
-                 cols: int = 128, threads: int = 256, adds: bool = True, min_blocks: int | None = None):
-    """The backward in one pass per (token, head block of min(heads, 64)); see the module
-    docstring. Shared memory at 64 heads: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA
-    per SM and no staging buffer for the adds: they go straight from the accumulator fragments, 16
-    bytes per thread into the channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs
-    `[:, fused_dkv_order()]`), so a warp's add covers 64 contiguous bytes of each of 8 rows. H200,
-    4K / 8K / 16K tokens: 6.71 / 15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in
-    natural channel order (32 bytes of 8 rows per instruction; run S, one run). cols: dKV channels
-    per wgmma tile — with the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256
-    (18.0 ms at 8K, which spills more registers). At 16 heads a CTA needs 110 KB, so by default two
-    share an SM (min_blocks 2: ptxas then fits the kernel in 128 registers without spills).
-    adds=False leaves the adds out (behind a run-time condition that never holds, so the GEMMs
-    stay): the benchmark's cost split, not a backward."""
-    if min_blocks is None:
-        min_blocks = 2 if heads == 16 else 1
-    return _walk_kernel(heads, topk, scale, dtype, block_i, threads, fused=True, cols=cols, adds=adds,
-                        min_blocks=min_blocks)
 
 
 def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int = 128):
@@ -319,16 +214,6 @@ def get_delta_kernel(heads: int, dtype: str):
 
 
 @functools.cache
-def get_ds_kernel(heads: int, topk: int, scale: float, dtype: str):
-    return ds_kernel(heads, topk, float(scale), dtype)
-
-
-@functools.cache
-def get_dkv_kernel(heads: int, topk: int, dtype: str):
-    return dkv_kernel(heads, topk, dtype)
-
-
-@functools.cache
 def get_fused_kernel(heads: int, topk: int, scale: float, dtype: str):
     return fused_kernel(heads, topk, float(scale), dtype)
 
@@ -340,42 +225,21 @@ def _dtype_name(x: torch.Tensor) -> str:
     return names[x.dtype]
 
 
-def uses_fused(heads: int) -> bool:
-    """Whether `bwd` runs fused_kernel (H a multiple of 64, or 16: two 16-head CTAs per SM, 12.2
-    vs 15.7 ms for the split at 8K, run T) or the ds_kernel + dkv_kernel split (32: not measured)."""
-    return heads % FUSED_HEADS == 0 or heads == 16
-
-
-def bwd(q, kv, out, dout, idx, lse, scale, used=None, fused: bool | None = None,
-        chunk_tokens: int = CHUNK_TOKENS):
+def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
-    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64.
-    fused: None picks by head count (uses_fused); False forces the split (H ≤ 64), True the fused
-    kernel (head blocks of min(H, 64)): for checks and benchmarks."""
+    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64."""
     t, h, _ = q.shape
     k = idx.shape[1]
-    fused = uses_fused(h) if fused is None else fused
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
     delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
     lse = lse.float().contiguous()
-    cnt = active_slots(idx) if used is None else used  # every kernel walks the same leading slot blocks
+    cnt = active_slots(idx) if used is None else used
     dq = torch.empty(t, h, D_QK, dtype=getattr(torch, dq_dtype(dtype)), device=q.device)
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
-    if fused:
-        get_fused_kernel(h, k, float(scale), dtype)(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
-        return dq, dkv[:, fused_dkv_order(dkv.device)]
-    ds_k, dkv_k = get_ds_kernel(h, k, float(scale), dtype), get_dkv_kernel(h, k, dtype)
-    rows = min(t, chunk_tokens)
-    p = torch.empty(rows, h, k, dtype=q.dtype, device=q.device)
-    ds = torch.empty_like(p)
-    for r0 in range(0, t, rows):
-        r1 = min(r0 + rows, t)
-        m = r1 - r0
-        ds_k(q[r0:r1], kv, dout[r0:r1], idx[r0:r1], cnt[r0:r1], lse[r0:r1], delta[r0:r1], p[:m], ds[:m], dq[r0:r1])
-        dkv_k(q[r0:r1], dout[r0:r1], idx[r0:r1], cnt[r0:r1], p[:m], ds[:m], dkv)
-    return dq, dkv
+    get_fused_kernel(h, k, float(scale), dtype)(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
+    return dq, dkv[:, fused_dkv_order(dkv.device)]
 
 
 def bwd_reference(q, kv, out, dout, idx, lse, scale, chunk=256):
