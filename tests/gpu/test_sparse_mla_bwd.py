@@ -75,4 +75,3 @@ def test_bwd_one_build_for_all_lengths():
         dq, dkv = B.bwd(q, kv, out, dout, idx, lse, SCALE)
         assert dq.shape == (total, 64, 576) and dkv.shape == (total, 576)
     assert sum(k.cache_info().misses for k in kernels) - before <= len(kernels)
-
