@@ -35,16 +35,11 @@ for shape in "64,2048,1/16" "16,2048,1/16" "4,8,1/math.sqrt(80)"; do
     done
 done
 jobs+=("128,2048,1/16,parts=('fwd',)" "128,2048,1/16,parts=('bwd','delta')" "64,2048,1/16,kernels='upstream'")
+for dtype in bfloat16 float16; do jobs+=("32,2048,1/16,parts=('bwd','delta'),dtype=torch.$dtype"); done  # 32-head bwd tests
 for job in "${jobs[@]}"; do
     i=$((i + 1))
     python3 -c "import math, torch; from glm5_bridge.kernels import compile_kernels as c; c($job)" \
         > "/tmp/compile_$i.log" 2>&1 &
-    pids+=($!)
-done
-for dtype in bfloat16 float16; do  # the backward at 32 heads (TP=2), which a test checks
-    i=$((i + 1))
-    python3 -c "import torch; from glm5_bridge.kernels import compile_kernels as c; \
-c(32, 2048, 1/16, parts=('bwd', 'delta'), dtype=torch.$dtype)" > "/tmp/compile_$i.log" 2>&1 &
     pids+=($!)
 done
 for heads in 32 16; do  # the indexer score kernel: GLM-5 (32 × 128) and the tiny model (16 × 128)
