@@ -10,21 +10,25 @@ Layout: flat tokens, no batch axis. q [T, H, 576] bf16, kv [Tkv, 576] bf16, idx 
 out [T, H, 512] bf16, lse [T, H] fp32. T and Tkv are *dynamic* in the compiled kernel (one build
 serves every sequence length: no padding copies, no recompiles); H, K and the scale are baked in.
 
-Kernel ("simple"; measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md): one CTA per
-(token, 64-head block), 256 threads; each block of keys (128 at 64 heads, `block_keys`) is
-gathered into shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on both warpgroups (each an
-m64n64 wgmma over its half of the keys), online softmax, O += P·V in 64-key halves — the textbook
-flash-attention loop. It walks only a token's *active* slots, ceil(cnt[t] / block) blocks where
-cnt[t] = 1 + the last non-empty slot (`active_slots`): rows whose −1 slots come last (select_topk's
-order, which `SparseMLA` enforces) skip their empty blocks, e.g. the first 2048 tokens of a causal
-sequence. Run P: 5.18 ms = 451 TFLOP/s nominal over all slots (64-key blocks: 6.09 ms = 384, run
-O; upstream 7.95 ms in the same run); on slots with −1 interleaved (nothing to skip) 6.55 ms.
-Two warp-specialised variants (a producer warpgroup feeding two math warpgroups through mbarriers;
-277 and 98 TFLOP/s) were slower and are gone (git history before 2026-12-03; docs/kernels.md).
+Two kernels (measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md), both walking only
+a token's *active* slots, ceil(cnt[t] / block) blocks where cnt[t] = 1 + the last non-empty slot
+(`active_slots`): rows whose −1 slots come last (select_topk's order, which `SparseMLA` enforces)
+skip their empty blocks, e.g. the first 2048 tokens of a causal sequence.
+- `seesaw_kernel` (64-head blocks, what `get_kernel` builds for GLM-5 at TP 1): warp-specialised —
+  a producer warpgroup gathers 64-key blocks into two stages, two math warpgroups own alternate
+  blocks so one's softmax overlaps the other's GEMMs (FlashMLA's sparse-prefill schedule). Run Z:
+  4.40–4.47 ms = 523–531 TFLOP/s nominal over all slots, against 5.28 for simple_kernel.
+- `simple_kernel` (16 / 32 heads per CTA, and top-k not a multiple of 128): one CTA per (token,
+  head block), 256 threads; each block of keys (128 at 64 heads, `block_keys`) is gathered into
+  shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax,
+  O += P·V in 64-key halves — the textbook flash-attention loop. Run P: 5.18 ms = 451 TFLOP/s at
+  64 heads (upstream 7.95 ms in the same run); on slots with −1 interleaved (nothing to skip)
+  6.55 ms.
 """
 
 import functools
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -167,6 +171,244 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
 
 
+def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", regs=(216, 216, 72)):
+    """The forward at 64-head blocks (`get_kernel` uses it when H % 64 == 0 and top-k % 128 == 0):
+    warp-specialised, 384 threads. Keys come in 64-key blocks through two stages, each stored as
+    three parts — latent left half kl (channels 0…255), right half kr (256…511), rope kt (512…575).
+    WG0 owns the even blocks (stage 0), WG1 the odd ones (stage 1): each computes S = Q·Kᵀ and the
+    softmax of its own block, so one warpgroup's softmax runs while the other's GEMMs do. O is split
+    by columns: WG0 accumulates O[:, :256] (P·V over kl of every block), WG1 O[:, 256:] (kr).
+    Per pair of blocks (2p, 2p+1):
+      WG0: QK(2p) → softmax at m(2p) = max(m(2p−1), row max) → own P·V from registers (wgmma RS)
+           → once WG1 has m(2p+1): P(2p) rescaled to it, stored in kt0 (the rope part, free after
+           QK) for WG1 → O rescaled → P·V with WG1's P(2p+1) (kt1) over kl1.
+      WG1: QK(2p+1) → softmax at m(2p+1) → own P·V from registers, P(2p+1) stored in kt1 beside
+           it → P·V with WG0's rescaled P(2p) over kr0.
+    The running max is handed block to block through shared memory (`ready` mbarriers); the row
+    sums l are kept per warpgroup at its O's scale and added at the end. Each part of a stage has
+    its own full/free mbarriers — kl is free once WG0's P·V on it is done, kr once WG1's is, kt
+    once both are — and two producer groups of 64 threads (one per stage, cp.async, in the order
+    that stage's QK reads it: WG0 reads kl first, WG1 kr) refill a part as soon as it is free, so
+    the gather of one block overlaps the math of the other. This is FlashMLA's sparse-prefill
+    schedule (its code read to learn, not copied), rebuilt in TileLang. Shared memory: Q 72 KB
+    + 2 × 72 KB of keys = 216 KB. H200, 8K tokens: 4.40–4.47 ms (523–531 TFLOP/s) against
+    5.28 ms for `simple_kernel` in the same process (run Z, docs/kernels.md). Q is copied by the
+    two math warpgroups only: over 384 threads TileLang copies it 2 bytes at a time (ncu: 26 % of
+    the stall samples)."""
+    tilelang, T = _tl()
+    hb, bi, dh = 64, 64, D_V // 2
+    assert heads % hb == 0 and topk % (2 * bi) == 0
+    nhb, c = heads // hb, scale * LOG2E
+    dt, f32 = getattr(T, dtype), T.float32
+    n = T.dynamic("num_tokens")
+    nkv = T.dynamic("num_kv")
+    neg = -(2.0**30)
+
+    # Barrier arguments are (buffer, index) pairs: an indexed barrier passed into a macro arrives
+    # there as a plain variable, which T.barrier_wait does not take (TileLang 0.1.15).
+    @T.macro
+    def qk_part(full, fs, parity, q_part, k_part, acc_s):
+        T.barrier_wait(full[fs], parity)
+        T.fence_proxy_async()
+        T.wgmma_gemm(q_part, k_part, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+
+    @T.macro
+    def softmax(w, p, b):
+        """P of block b (warpgroup w's p-th) at the running max after it, into w.p_reg (bf16);
+        w.alpha takes O and l from this warpgroup's scale m_acc to that max."""
+        T.wait_wgmma(0)
+        T.reduce_max(w.acc_s, w.m_new, dim=1, clear=True)
+        if b > 0:  # the max after block b−1, the other warpgroup's
+            T.barrier_wait(w.ready[1 - b % 2], (p - 1 + b % 2) & 1)
+        for h in T.Parallel(hb):
+            w.m_prev[h] = T.if_then_else(b > 0, w.m_s[1 - b % 2, h], neg)
+        for h in T.Parallel(hb):
+            w.m_new[h] = T.max(w.m_new[h], w.m_prev[h])
+            w.alpha[h] = T.exp2((w.m_acc[h] - w.m_new[h]) * c)
+            w.m_acc[h] = w.m_new[h]
+        for h, r in T.Parallel(hb, bi):
+            w.acc_s[h, r] = T.exp2(w.acc_s[h, r] * c - w.m_new[h] * c)
+        T.reduce_sum(w.acc_s, w.rs, dim=1)
+        T.copy(w.acc_s, w.p_reg)
+        for h in T.Parallel(hb):
+            w.l[h] = w.l[h] * w.alpha[h] + w.rs[h]
+
+    @T.macro
+    def scale_o(acc, factor):
+        for h, d in T.Parallel(hb, dh):
+            acc[h, d] = acc[h, d] * factor[h]
+
+    @T.macro
+    def mask_scores(w, t, Idx, b):
+        # S starts at 0 on used slots and −inf on empty ones; QK accumulates into it
+        for h, r in T.Parallel(hb, bi):
+            w.acc_s[h, r] = T.if_then_else(Idx[t, b * bi + r] >= 0, 0, -T.infinity(f32))
+
+    @T.macro
+    def normalise(w, acc, own):
+        # l summed over both warpgroups (each kept its own blocks' sums at the final max), O / l
+        T.copy(w.l, w.l_s[own, :])
+        T.barrier_arrive(w.done[own])
+        T.barrier_wait(w.done[1 - own], 0)
+        for h in T.Parallel(hb):
+            w.l[h] = w.l[h] + w.l_s[1 - own, h]
+        for h, d in T.Parallel(hb, dh):
+            acc[h, d] = T.if_then_else(w.l[h] > 0, acc[h, d] / w.l[h], 0)
+
+    @T.macro
+    def pv_other(acc, p_tile, v_part, free_v, free_t, fs):
+        # O += P·V with the other warpgroup's P from shared memory, then the stage parts are free
+        T.wgmma_gemm(p_tile, v_part, acc, policy=T.GemmWarpPolicy.FullRow)
+        T.wait_wgmma(0)
+        T.barrier_arrive(free_v[fs])
+        T.barrier_arrive(free_t[fs])
+
+    @T.macro
+    def gather_half(g, KV, Idx, t, b, j, dst, col0, free, full, fs, parity):
+        # 64 threads: 64 rows × 32 chunks of 8 channels (columns col0 … col0 + 255), 8 rows' indices at a time
+        T.barrier_wait(free[fs], parity)
+        col = (j % 32) * 8
+        for q4 in T.unroll(4):
+            for q in T.unroll(8):
+                g.src[q] = T.min(T.max(Idx[t, b * bi + (q4 * 8 + q) * 2 + j // 32], 0), nkv - 1)
+            for q in T.unroll(8):
+                row = (q4 * 8 + q) * 2 + j // 32
+                T.ptx_cp_async(T.access_ptr(dst[row, col], "w", 8),
+                               T.access_ptr(KV[g.src[q], col0 + col], "r", 8), 8)
+        T.cp_async_barrier_noinc(full[fs])
+
+    @T.macro
+    def gather_rope(g, KV, Idx, t, b, j, dst, free, full, fs, parity):
+        # 64 threads: 64 rows × 8 chunks
+        T.barrier_wait(free[fs], parity)
+        col = (j % 8) * 8
+        for q in T.unroll(8):
+            g.src[q] = T.min(T.max(Idx[t, b * bi + q * 8 + j // 8], 0), nkv - 1)
+        for q in T.unroll(8):
+            T.ptx_cp_async(T.access_ptr(dst[q * 8 + j // 8, col], "w", 8),
+                           T.access_ptr(KV[g.src[q], D_V + col], "r", 8), 8)
+        T.cp_async_barrier_noinc(full[fs])
+
+    def math_warpgroup(g):
+        # fragments per warpgroup: one shared by both branches is laid out for the first branch's
+        # threads and the second branch's loops over it vanish (TileLang 0.1.15)
+        return SimpleNamespace(**vars(g), acc_s=T.alloc_fragment([hb, bi], f32), p_reg=T.alloc_fragment([hb, bi], dt),
+                               m_new=T.alloc_fragment([hb], f32), m_prev=T.alloc_fragment([hb], f32),
+                               m_acc=T.alloc_fragment([hb], f32), alpha=T.alloc_fragment([hb], f32),
+                               rs=T.alloc_fragment([hb], f32), l=T.alloc_fragment([hb], f32))
+
+    @T.prim_func
+    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             O: T.Tensor([n, heads, D_V], dt), Lse: T.Tensor([n, heads], f32)):
+        with T.Kernel(n * nhb, threads=384) as bx:
+            g = SimpleNamespace(
+                q_l=T.alloc_shared([hb, dh], dt), q_r=T.alloc_shared([hb, dh], dt),
+                q_t=T.alloc_shared([hb, D_TAIL], dt),
+                m_s=T.alloc_shared([2, hb], f32), l_s=T.alloc_shared([2, hb], f32),
+                src=T.alloc_local([8], T.int32),
+                full_l=T.alloc_barrier([64, 64]), full_r=T.alloc_barrier([64, 64]), full_t=T.alloc_barrier([64, 64]),
+                free_l=T.alloc_barrier([128, 128]), free_r=T.alloc_barrier([128, 128]),
+                free_t=T.alloc_barrier([256, 256]),
+                ready=T.alloc_barrier([128, 128]), p_ready=T.alloc_barrier([128]), done=T.alloc_barrier([128, 128]))
+            w0, w1 = math_warpgroup(g), math_warpgroup(g)
+            acc_l = T.alloc_fragment([hb, dh], f32)
+            acc_r = T.alloc_fragment([hb, dh], f32)
+            kl0 = T.alloc_shared([bi, dh], dt)
+            kr0 = T.alloc_shared([bi, dh], dt)
+            kt0 = T.alloc_shared([bi, D_TAIL], dt)
+            kl1 = T.alloc_shared([bi, dh], dt)
+            kr1 = T.alloc_shared([bi, dh], dt)
+            kt1 = T.alloc_shared([bi, D_TAIL], dt)
+            tx = T.get_thread_binding()
+            t = bx // nhb
+            h0 = (bx % nhb) * hb
+            npairs = T.max(T.ceildiv(Cnt[t], 2 * bi), 1)
+            if tx < 256:
+                T.copy(Q[t, h0:h0 + hb, 0:dh], g.q_l)
+                T.copy(Q[t, h0:h0 + hb, dh:D_V], g.q_r)
+                T.copy(Q[t, h0:h0 + hb, D_V:D_QK], g.q_t)
+            T.sync_threads()
+
+            if tx < 128:  # WG0: even blocks, O[:, :256]
+                T.set_max_nreg(regs[0], 1)
+                T.fill(acc_l, 0)
+                T.fill(w0.l, 0)
+                T.fill(w0.m_acc, neg)
+                for p in T.serial(npairs):
+                    mask_scores(w0, t, Idx, 2 * p)
+                    qk_part(w0.full_l, 0, p & 1, w0.q_l, kl0, w0.acc_s)
+                    qk_part(w0.full_r, 0, p & 1, w0.q_r, kr0, w0.acc_s)
+                    qk_part(w0.full_t, 0, p & 1, w0.q_t, kt0, w0.acc_s)
+                    softmax(w0, p, 2 * p)
+                    T.copy(w0.m_new, w0.m_s[0, :])
+                    T.barrier_arrive(w0.ready[0])
+                    scale_o(acc_l, w0.alpha)
+                    T.wgmma_gemm(w0.p_reg, kl0, acc_l, policy=T.GemmWarpPolicy.FullRow)  # own block, P from registers
+                    # meanwhile: P(2p) at the max after block 2p+1, into kt0 for WG1
+                    T.barrier_wait(w0.ready[1], p & 1)
+                    for h in T.Parallel(hb):
+                        w0.alpha[h] = T.exp2((w0.m_acc[h] - w0.m_s[1, h]) * c)
+                        w0.m_acc[h] = w0.m_s[1, h]
+                        w0.l[h] = w0.l[h] * w0.alpha[h]
+                    for h, r in T.Parallel(hb, bi):
+                        w0.acc_s[h, r] = w0.acc_s[h, r] * w0.alpha[h]
+                    T.copy(w0.acc_s, kt0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(w0.p_ready[0])
+                    T.barrier_arrive(w0.free_t[0])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(w0.free_l[0])
+                    scale_o(acc_l, w0.alpha)
+                    pv_other(acc_l, kt1, kl1, w0.free_l, w0.free_t, 1)  # block 2p+1, WG1's P
+                normalise(w0, acc_l, 0)
+                T.copy(acc_l, O[t, h0:h0 + hb, 0:dh])
+            elif tx < 256:  # WG1: odd blocks, O[:, 256:], lse
+                T.set_max_nreg(regs[1], 1)
+                T.fill(acc_r, 0)
+                T.fill(w1.l, 0)
+                T.fill(w1.m_acc, neg)
+                for p in T.serial(npairs):
+                    mask_scores(w1, t, Idx, 2 * p + 1)
+                    qk_part(w1.full_r, 1, p & 1, w1.q_r, kr1, w1.acc_s)  # kr1 frees first for WG1
+                    qk_part(w1.full_l, 1, p & 1, w1.q_l, kl1, w1.acc_s)
+                    qk_part(w1.full_t, 1, p & 1, w1.q_t, kt1, w1.acc_s)
+                    softmax(w1, p, 2 * p + 1)
+                    scale_o(acc_r, w1.alpha)
+                    T.wgmma_gemm(w1.p_reg, kr1, acc_r, policy=T.GemmWarpPolicy.FullRow)  # own block, P from registers
+                    T.copy(w1.acc_s, kt1)  # P(2p+1) for WG0, beside the GEMM
+                    T.copy(w1.m_new, w1.m_s[1, :])
+                    T.fence_proxy_async()
+                    T.barrier_arrive(w1.ready[1])
+                    T.wait_wgmma(0)
+                    T.barrier_arrive(w1.free_r[1])
+                    T.barrier_arrive(w1.free_t[1])
+                    T.barrier_wait(w1.p_ready[0], p & 1)
+                    pv_other(acc_r, kt0, kr0, w1.free_r, w1.free_t, 0)  # block 2p, WG0's P at this max
+                normalise(w1, acc_r, 1)
+                T.copy(acc_r, O[t, h0:h0 + hb, dh:D_V])
+                for h in T.Parallel(hb):
+                    w1.rs[h] = T.if_then_else(w1.l[h] > 0, T.log2(w1.l[h]) + w1.m_new[h] * c, 0)
+                T.copy(w1.rs, Lse[t, h0:h0 + hb])
+            elif tx < 320:  # producer for stage 0 (block 2p), in the order WG0's QK reads it
+                T.set_max_nreg(regs[2], 0)
+                for p in T.serial(npairs):
+                    gather_half(g, KV, Idx, t, 2 * p, tx - 256, kl0, 0, g.free_l, g.full_l, 0, (p & 1) ^ 1)
+                    gather_half(g, KV, Idx, t, 2 * p, tx - 256, kr0, dh, g.free_r, g.full_r, 0, (p & 1) ^ 1)
+                    gather_rope(g, KV, Idx, t, 2 * p, tx - 256, kt0, g.free_t, g.full_t, 0, (p & 1) ^ 1)
+            else:  # producer for stage 1 (block 2p+1), in WG1's order
+                T.set_max_nreg(regs[2], 0)
+                for p in T.serial(npairs):
+                    gather_half(g, KV, Idx, t, 2 * p + 1, tx - 320, kr1, dh, g.free_r, g.full_r, 1, (p & 1) ^ 1)
+                    gather_half(g, KV, Idx, t, 2 * p + 1, tx - 320, kl1, 0, g.free_l, g.full_l, 1, (p & 1) ^ 1)
+                    gather_rope(g, KV, Idx, t, 2 * p + 1, tx - 320, kt1, g.free_t, g.full_t, 1, (p & 1) ^ 1)
+
+    cfg = dict(_pass_configs(tilelang))
+    # the producers' cp.async targets are computed by hand; TileLang's bounds guards would wrap each
+    cfg[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
+    return tilelang.compile(main, out_idx=[-2, -1], pass_configs=cfg)
+
+
 def active_slots(idx: torch.Tensor) -> torch.Tensor:
     """[T, K] int32 slot indices → [T] int32: 1 + the position of the last non-empty slot (0 for an
     all-empty row). The kernels walk slot blocks only up to there; −1 slots before it stay masked."""
@@ -174,8 +416,16 @@ def active_slots(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(idx >= 0, positions, 0).amax(dim=1).to(torch.int32)
 
 
+def uses_seesaw(heads: int, topk: int) -> bool:
+    """Which forward `get_kernel` builds: `seesaw_kernel` at 64-head blocks with top-k a multiple
+    of 128 (GLM-5 at TP 1: 64 heads, 2048), else `simple_kernel` (16 / 32 heads per CTA)."""
+    return heads % 64 == 0 and topk % 128 == 0
+
+
 @functools.cache
 def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
+    if uses_seesaw(heads, topk):
+        return seesaw_kernel(heads, topk, float(scale), dtype=dtype)
     return simple_kernel(heads, topk, float(scale), dtype=dtype)
 
 

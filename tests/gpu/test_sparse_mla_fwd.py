@@ -53,3 +53,21 @@ def test_one_build_for_all_lengths():
         out, _ = F.fwd(q, kv, idx, SCALE)
         assert out.shape == (total, 64, 512)
     assert F.get_kernel.cache_info().misses - builds <= 1
+
+
+def test_simple_kernel_at_64_heads():
+    """get_kernel builds seesaw_kernel at 64-head blocks; simple_kernel still serves them when top-k is
+    not a multiple of 128 (and 16 / 32 heads always): the same check on it."""
+    assert F.uses_seesaw(64, TOPK) and not F.uses_seesaw(64, 192) and not F.uses_seesaw(16, TOPK)
+    lengths = [1, 63, 1000, 130]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    total = sum(lengths)
+    q = torch.randn(total, 64, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(total, 576, device="cuda", generator=g).bfloat16()
+    idx = kernel_indices(random_causal_topk(lengths, TOPK, device="cuda", generator=g).int())[0][0, :, 0]
+    out, lse = F.simple_kernel(64, TOPK, SCALE)(q, kv, idx, F.active_slots(idx))
+    rows = torch.randperm(total, device="cuda", generator=g)[:256]
+    ref_out, ref_lse = F.fwd_reference(q[rows], kv, idx[rows], SCALE)
+    e_out, e_lse = rel(out[rows], ref_out), rel(lse[rows], ref_lse)
+    print(f"RESULT fwd_simple_64 out={e_out:.3e} lse={e_lse:.3e}")
+    assert e_out < 1e-2 and e_lse < 1e-3
