@@ -62,9 +62,10 @@ PV_KEYS = 64  # keys per P·V GEMM (and per P tile in shared memory)
 
 
 def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
-    """Keys per step of the forward. 128 at 64 heads: each warpgroup's share of S = Q·Kᵀ is an
-    m64n64 wgmma instead of m64n32 (a third less shared-memory traffic per key) and the softmax
-    exchanges row statistics once per 128 keys. Shared memory: Q 72 KB + 128 keys 144 KB + one
+    """Keys per step of `simple_kernel` (at 64 heads and top-k % 128 == 0 `get_kernel` builds
+    `seesaw_kernel` instead; the 128-key case serves direct calls). 128 at 64 heads: each
+    warpgroup's share of S = Q·Kᵀ is an m64n64 wgmma instead of m64n32 (a third less
+    shared-memory traffic per key) and the softmax exchanges row statistics once per 128 keys. Shared memory: Q 72 KB + 128 keys 144 KB + one
     64-key P tile 8 KB = 224 KB, so P·V runs in two 64-key halves. H200, 8K tokens: 5.18 against
     6.09 ms with 64 keys (runs P, O). 64 without skipping (two pipeline stages would not fit),
     below 64 heads (at 16 heads TileLang 0.1.15 cannot lower the 128-wide row reductions) and when
@@ -194,7 +195,8 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     + 2 × 72 KB of keys = 216 KB. H200, 8K tokens: 4.40–4.47 ms (523–531 TFLOP/s) against
     5.28 ms for `simple_kernel` in the same process (run Z, docs/kernels.md). Q is copied by the
     two math warpgroups only: over 384 threads TileLang copies it 2 bytes at a time (ncu: 26 % of
-    the stall samples)."""
+    the stall samples). regs: setmaxnreg of WG0, WG1 and the producers (216 × 256 + 72 × 128 =
+    64,512 of the SM's 65,536 registers)."""
     tilelang, T = _tl()
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
