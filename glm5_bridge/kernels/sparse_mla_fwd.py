@@ -65,8 +65,9 @@ def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     """Keys per step of `simple_kernel` (at 64 heads and top-k % 128 == 0 `get_kernel` builds
     `seesaw_kernel` instead; the 128-key case serves direct calls). 128 at 64 heads: each
     warpgroup's share of S = Q·Kᵀ is an m64n64 wgmma instead of m64n32 (a third less
-    shared-memory traffic per key) and the softmax exchanges row statistics once per 128 keys. Shared memory: Q 72 KB + 128 keys 144 KB + one
-    64-key P tile 8 KB = 224 KB, so P·V runs in two 64-key halves. H200, 8K tokens: 5.18 against
+    shared-memory traffic per key) and the softmax exchanges row statistics once per 128 keys.
+    Shared memory: Q 72 KB + 128 keys 144 KB + one 64-key P tile 8 KB = 224 KB, so P·V runs in
+    two 64-key halves. H200, 8K tokens: 5.18 against
     6.09 ms with 64 keys (runs P, O). 64 without skipping (two pipeline stages would not fit),
     below 64 heads (at 16 heads TileLang 0.1.15 cannot lower the 128-wide row reductions) and when
     top-k is not a multiple of 128."""
