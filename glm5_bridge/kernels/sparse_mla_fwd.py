@@ -16,8 +16,9 @@ a token's *active* slots, ceil(cnt[t] / block) blocks where cnt[t] = 1 + the las
 skip their empty blocks, e.g. the first 2048 tokens of a causal sequence.
 - `seesaw_kernel` (64-head blocks, what `get_kernel` builds for GLM-5 at TP 1): warp-specialised —
   a producer warpgroup gathers 64-key blocks into two stages, two math warpgroups own alternate
-  blocks so one's softmax overlaps the other's GEMMs (FlashMLA's sparse-prefill schedule). Run Z:
-  4.40–4.47 ms = 523–531 TFLOP/s nominal over all slots, against 5.28 for simple_kernel.
+  blocks so one's softmax overlaps the other's GEMMs (FlashMLA's sparse-prefill schedule). Run AE:
+  4.27 ms = 547 TFLOP/s nominal over all slots (run Z, before O left through shared memory: 4.42;
+  simple_kernel 5.28).
 - `simple_kernel` (16 / 32 heads per CTA, and top-k not a multiple of 128): one CTA per (token,
   head block), 256 threads; each block of keys (128 at 64 heads, `block_keys`) is gathered into
   shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax,
@@ -193,11 +194,13 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     that stage's QK reads it: WG0 reads kl first, WG1 kr) refill a part as soon as it is free, so
     the gather of one block overlaps the math of the other. This is FlashMLA's sparse-prefill
     schedule (its code read to learn, not copied), rebuilt in TileLang. Shared memory: Q 72 KB
-    + 2 × 72 KB of keys = 216 KB. H200, 8K tokens: 4.40–4.47 ms (523–531 TFLOP/s) against
-    5.28 ms for `simple_kernel` in the same process (run Z, docs/kernels.md). Q is copied by the
-    two math warpgroups only: over 384 threads TileLang copies it 2 bytes at a time (ncu: 26 % of
-    the stall samples). regs: setmaxnreg of WG0, WG1 and the producers (216 × 256 + 72 × 128 =
-    64,512 of the SM's 65,536 registers)."""
+    + 2 × 72 KB of keys = 216 KB. H200, 8K tokens: 4.27 ms (547 TFLOP/s, run AE) against 5.28 ms
+    for `simple_kernel` (run Z, docs/kernels.md). Q is copied by the two math warpgroups only:
+    over 384 threads TileLang copies it 2 bytes at a time (ncu: 26 % of the stall samples). O
+    leaves through the Q tiles once both warpgroups are past their last QK: 16-byte row stores
+    instead of 4-byte fragment stores over 8 rows (2–5 % faster, runs AC). regs: setmaxnreg of
+    WG0, WG1 and the producers (216 × 256 + 72 × 128 = 64,512 registers, the 168 per thread that
+    ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups)."""
     tilelang, T = _tl()
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
@@ -365,7 +368,10 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                     scale_o(acc_l, w0.alpha)
                     pv_other(acc_l, kt1, kl1, w0.free_l, w0.free_t, 1)  # block 2p+1, WG1's P
                 normalise(w0, acc_l, 0)
-                T.copy(acc_l, O[t, h0:h0 + hb, 0:dh])
+                # O leaves through the Q tile (both warpgroups are past their last QK once normalise
+                # returns): 16-byte row stores instead of 4-byte fragment stores scattered over 8 rows
+                T.copy(acc_l, g.q_l)
+                T.copy(g.q_l, O[t, h0:h0 + hb, 0:dh])
             elif tx < 256:  # WG1: odd blocks, O[:, 256:], lse
                 T.set_max_nreg(regs[1], 1)
                 T.fill(acc_r, 0)
@@ -389,7 +395,8 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                     T.barrier_wait(w1.p_ready[0], p & 1)
                     pv_other(acc_r, kt0, kr0, w1.free_r, w1.free_t, 0)  # block 2p, WG0's P at this max
                 normalise(w1, acc_r, 1)
-                T.copy(acc_r, O[t, h0:h0 + hb, dh:D_V])
+                T.copy(acc_r, g.q_r)
+                T.copy(g.q_r, O[t, h0:h0 + hb, dh:D_V])
                 for h in T.Parallel(hb):
                     w1.rs[h] = T.if_then_else(w1.l[h] > 0, T.log2(w1.l[h]) + w1.m_new[h] * c, 0)
                 T.copy(w1.rs, Lse[t, h0:h0 + hb])
