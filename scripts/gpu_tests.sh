@@ -35,6 +35,7 @@ for shape in "64,2048,1/16" "16,2048,1/16" "4,8,1/math.sqrt(80)"; do
     done
 done
 jobs+=("128,2048,1/16,parts=('fwd',)" "128,2048,1/16,parts=('bwd','delta')" "64,2048,1/16,kernels='upstream'")
+jobs+=("64,2048,1/16,parts=('slots',)" "4,8,1/math.sqrt(80),parts=('slots',)")  # kernel_indices' reordering
 for dtype in bfloat16 float16; do jobs+=("32,2048,1/16,parts=('bwd','delta'),dtype=torch.$dtype"); done  # 32-head bwd tests
 for job in "${jobs[@]}"; do
     i=$((i + 1))

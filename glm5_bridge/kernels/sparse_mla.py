@@ -132,14 +132,11 @@ def kernel_indices(topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernels stop at a row's last used slot block, so a query that sees fewer than K keys (the
     first K tokens of every sequence) costs only its own keys, whatever order the indices came in
     (select_topk already puts −1 last; a replayed top-k need not). Attention does not depend on
-    slot order."""
-    t, k = topk.shape
-    used = topk >= 0
-    n_used = used.sum(1, keepdim=True, dtype=torch.int32)
-    slot = torch.where(used, used.cumsum(1, dtype=torch.int32) - 1, n_used + (~used).cumsum(1, dtype=torch.int32) - 1)
-    idx = torch.full((t, kernel_topk(k)), -1, dtype=torch.int32, device=topk.device)
-    idx.scatter_(1, slot.long(), topk.clamp(min=-1).to(torch.int32))
-    return idx.view(1, t, 1, -1), n_used[:, 0]
+    slot order. One TileLang kernel on CUDA (slot_order.py), torch on the CPU."""
+    from glm5_bridge.kernels.slot_order import used_first
+
+    idx, n_used = used_first(topk, kernel_topk(topk.shape[1]))
+    return idx.view(1, topk.shape[0], 1, -1), n_used
 
 
 FP16_MAX_INPUT = 2.0**14  # float16 tops out at 65504; q·k and p·v accumulate in fp32 inside the kernels
@@ -243,19 +240,22 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
-    Parts: ours ("fwd", "bwd", "delta"), upstream ("fwd", "delta", "bwd", "post"); default all."""
+    Parts: ours ("fwd", "bwd", "delta", "slots"), upstream ("fwd", "delta", "bwd", "post", "slots"; "slots"
+    is ours in both: kernel_indices' reordering, slot_order.py); default all."""
     kernels = kernels or default_kernels()
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
         require_tilelang()
-        from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
+        from glm5_bridge.kernels import slot_order, sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
                     "bwd": lambda: sparse_mla_bwd.get_fused_kernel(hk, kp, scale, name),
-                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
+                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name),
+                    "slots": lambda: slot_order.get_used_first_kernel(topk, kp)}
     else:
         upstream_ops()
+        from glm5_bridge.kernels import slot_order
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 
@@ -268,6 +268,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
             "bwd": lambda: bwd_mod._get_bwd_kernel(hk, D_V, D_QK - D_V, kp, 1, scale,
                                                    bwd_mod._env_int("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", 32)),
             "post": lambda: bwd_mod._get_postprocess_kernel(D_V, D_QK - D_V, 1),
+            "slots": lambda: slot_order.get_used_first_kernel(topk, kp),
         }
     for part in parts or builders:
         if part not in builders:
