@@ -98,4 +98,6 @@ def used_first(topk: torch.Tensor, k_out: int) -> tuple[torch.Tensor, torch.Tens
     """[T, K] integer indices (negative = empty) → ([T, k_out] int32, [T] int32); the kernel on CUDA."""
     if not topk.is_cuda or topk.shape[0] == 0:
         return used_first_reference(topk, k_out)
-    return get_used_first_kernel(topk.shape[1], k_out)(topk.to(torch.int32).contiguous())
+    if topk.dtype != torch.int32:  # an int64 below −2^31 would wrap to a non-negative int32
+        topk = topk.clamp(min=-1).to(torch.int32)
+    return get_used_first_kernel(topk.shape[1], k_out)(topk.contiguous())

@@ -29,6 +29,8 @@ def test_used_first_kernel_matches_torch(t, k, dtype):
     topk[0] = -1  # an all-empty row
     if t > 2:
         topk[2] = torch.arange(k, device="cuda")  # an all-used row
+    if dtype == torch.int64 and t > 1:
+        topk[1, 0] = -(2**33)  # negative, but a plain int32 cast would make it 0
     idx, used = slot_order.used_first(topk, kernel_topk(k))
     ref_idx, ref_used = slot_order.used_first_reference(topk.cpu(), kernel_topk(k))
     assert idx.dtype == used.dtype == torch.int32 and idx.shape == (t, kernel_topk(k))
