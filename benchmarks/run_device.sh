@@ -30,6 +30,7 @@ jobs=(
   "S.compile_kernels(16, 2048, 1/16, parts=('fwd',), kernels='upstream')"
   "S.compile_kernels(16, 2048, 1/16, parts=('bwd',), kernels='upstream')"
   "S.compile_kernels(64, 2048, 1/16, parts=('delta',), kernels='upstream'); S.compile_kernels(16, 2048, 1/16, parts=('delta', 'post'), kernels='upstream')"
+  "S.compile_kernels(64, 2048, 1/16, parts=('slots',))"
   "ui._get_indexer_fwd_kernel(32, 128); ui._get_clean_logits_kernel()"
   "from glm5_bridge.kernels import indexer as I; I.get_logits_kernel(32, 128)"
   "from glm5_bridge.kernels import radix_topk as R; R.get_select_kernel(2048)"
