@@ -246,16 +246,14 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
         require_tilelang()
-        from glm5_bridge.kernels import slot_order, sparse_mla_bwd, sparse_mla_fwd
+        from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
                     "bwd": lambda: sparse_mla_bwd.get_fused_kernel(hk, kp, scale, name),
-                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name),
-                    "slots": lambda: slot_order.get_used_first_kernel(topk, kp)}
+                    "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:
         upstream_ops()
-        from glm5_bridge.kernels import slot_order
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 
@@ -268,8 +266,10 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
             "bwd": lambda: bwd_mod._get_bwd_kernel(hk, D_V, D_QK - D_V, kp, 1, scale,
                                                    bwd_mod._env_int("MCORE_DSA_TILELANG_BWD_MAX_BLOCK_H", 32)),
             "post": lambda: bwd_mod._get_postprocess_kernel(D_V, D_QK - D_V, 1),
-            "slots": lambda: slot_order.get_used_first_kernel(topk, kp),
         }
+    from glm5_bridge.kernels import slot_order
+
+    builders["slots"] = lambda: slot_order.get_used_first_kernel(topk, kp)  # kernel_indices runs it for both sets
     for part in parts or builders:
         if part not in builders:
             raise ValueError(f"compile_kernels: {kernels} kernels have parts {sorted(builders)}; got {part!r}")
