@@ -272,13 +272,20 @@ def bench_sparse(seqs, heads_list, reps):
 def bwd_variants(heads=64):
     """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
     "fused" is what bwd() runs (at 16 heads: 16-head blocks, two CTAs per SM); "fused_no_adds"
-    the same without the dKV atomic adds (their cost; wrong dkv); at 16 heads also
+    the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" those adds alone
+    (sparse_mla_bwd.dkv_adds_kernel: the floor they put under the backward); at 16 heads also
     "fused_min_blocks_1" (registers for one CTA per SM). The two-kernel split these were compared
     with until run U is in the result files (variant "split")."""
     variants = {"fused": ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"),
                 "fused_no_adds": ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)}
     if heads == 16:
         variants["fused_min_blocks_1"] = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", min_blocks=1)
+    adds = ours_bwd.dkv_adds_kernel(TOPK)
+
+    def adds_only(q, kv, dout, idx, cnt, lse, delta):
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+        adds(idx, cnt, dkv)
+        return torch.zeros_like(q), dkv
 
     def one_pass(kernel):
         def run(q, kv, dout, idx, cnt, lse, delta):
@@ -288,7 +295,7 @@ def bwd_variants(heads=64):
             return dq, dkv[:, ours_bwd.fused_dkv_order(dkv.device)]  # its channel order (DKV_ADD)
         return run
 
-    return {name: one_pass(k) for name, k in variants.items()}
+    return {**{name: one_pass(k) for name, k in variants.items()}, "adds_only": adds_only}
 
 
 def bench_bwd_parts(seqs, heads_list, reps=5):
@@ -304,6 +311,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
             dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
             out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
             delta = (out.float() * dout.float()).sum(-1)
+            add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the adds move
             ref = None
             for name, run in variants.items():
                 args = (q, kv, dout, idx, cnt, lse, delta)
@@ -312,7 +320,8 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
                 ref = ref or (dq, dkv)
                 emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                      dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                     tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1))
+                     tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1),
+                     add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2))
                 del dq, dkv
             del q, kv, idx, cnt, dout, out, lse, delta, ref
             torch.cuda.empty_cache()

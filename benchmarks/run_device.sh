@@ -19,7 +19,7 @@ jobs=(
   "F.get_kernel(64, 2048, 1/16)"
   "F.get_kernel(16, 2048, 1/16)"
   "B.get_fused_kernel(64, 2048, 1/16, 'bfloat16')"
-  "B.fused_kernel(64, 2048, 1/16, 'bfloat16', adds=False)"
+  "B.fused_kernel(64, 2048, 1/16, 'bfloat16', adds=False); B.dkv_adds_kernel(2048)"
   "B.get_delta_kernel(64, 'bfloat16'); B.get_delta_kernel(16, 'bfloat16')"
   "B.get_fused_kernel(16, 2048, 1/16, 'bfloat16')"
   "B.fused_kernel(16, 2048, 1/16, 'bfloat16', adds=False)"

@@ -18,8 +18,9 @@ P/dS tensor in global memory, no scratch, Q and dO read once. H200, 8K tokens, k
 T, U): 15.4 ms at 64 heads, 15.3 at 32, 12.2 at 16 (110 KB of shared memory: two CTAs per SM),
 where the two-kernel split it replaced (ds_kernel wrote P and dS to global memory, dkv_kernel
 added the dKV rows; removed after run U, see docs/kernels.md) took 20.1, 18.2 and 15.7 ms. The
-dKV adds (T × used slots × 576 fp32) are what the backward's time is bounded by: they load the
-SM's L1/LSU path (docs/kernels.md has the ncu numbers). The kernel walks only a token's active
+dKV adds (T × used slots × 576 fp32) are the backward's floor: alone (dkv_adds_kernel) they take
+10.7-10.9 ms at 8K whatever the head count, about 3.2 TB/s of 16-byte fp32 reductions (run AI in
+docs/kernels.md). The kernel walks only a token's active
 slot blocks (sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
@@ -186,6 +187,32 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
             else:
                 T.copy(acc_dq, dQ[t, h0:h0 + hb, 0:D_V])
                 T.copy(acc_dqt, dQ[t, h0:h0 + hb, D_V:D_QK])
+
+    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+
+
+def dkv_adds_kernel(topk: int, cols: int = 128):
+    """The fused backward's dKV adds and nothing else: per token, per active 64-slot block, the same
+    DKV_ADD calls (4 × 128 latent channels + 64 rope) of a constant 1 instead of the accumulator,
+    no gathers, no GEMMs, 256 threads. dkv[j, c] += the number of times key j is selected. It
+    measures the floor the adds put under the backward whatever its head count (the add bytes
+    do not depend on H): benchmarks/bench_dsa.py's bwd_parts variant "adds_only"."""
+    tilelang, T = _tl()
+    block_i, f32 = 64, T.float32
+    n, nkv = T.dynamic("num_tokens"), T.dynamic("num_kv")
+
+    @T.prim_func
+    def main(Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32), dKV: T.Tensor([nkv, D_QK], f32)):
+        with T.Kernel(n, threads=256, prelude=DKV_ADD) as t:
+            ones = T.alloc_local([cols // 4], f32)  # one thread's share of an m64 x cols accumulator
+            for j in T.serial(cols // 4):
+                ones[j] = 1.0
+            for i in T.serial(T.ceildiv(Cnt[t], block_i)):
+                for cc in T.serial(D_V // cols):
+                    T.call_extern("handle", f"glm5_dkv_add<{cols}>", ones.data, T.address_of(Idx[t, i * block_i]),
+                                  T.address_of(dKV[0, cc * cols]), 0, nkv)
+                T.call_extern("handle", f"glm5_dkv_add<{D_TAIL}>", ones.data, T.address_of(Idx[t, i * block_i]),
+                              T.address_of(dKV[0, D_V]), 0, nkv)
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 

@@ -75,3 +75,16 @@ def test_bwd_one_build_for_all_lengths():
         dq, dkv = B.bwd(q, kv, out, dout, idx, lse, SCALE)
         assert dq.shape == (total, 64, 576) and dkv.shape == (total, 576)
     assert sum(k.cache_info().misses for k in kernels) - before <= len(kernels)
+
+
+@pytest.mark.parametrize("used_first", [False, True], ids=["interleaved", "used_first"])
+def test_dkv_adds_kernel_adds_once_per_selection(used_first):
+    """The benchmark's add floor (dkv_adds_kernel) makes exactly the fused kernel's adds: one per
+    selected (token, slot), all 576 channels, so dkv[j] = how often key j was selected."""
+    _, kv, idx, _ = inputs([1, 63, 1000, 130], 16, torch.bfloat16, used_first)
+    dkv = torch.zeros(kv.shape[0], 576, device="cuda")
+    B.dkv_adds_kernel(TOPK)(idx, F.active_slots(idx), dkv)
+    counts = torch.bincount(idx[idx >= 0].long(), minlength=kv.shape[0]).float()
+    assert counts.sum() > 0
+    torch.testing.assert_close(dkv, counts[:, None].expand(-1, 576), rtol=0, atol=0)
+
