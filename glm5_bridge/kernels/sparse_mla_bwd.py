@@ -20,8 +20,7 @@ where the two-kernel split it replaced (ds_kernel wrote P and dS to global memor
 added the dKV rows; removed after run U, see docs/kernels.md) took 20.1, 18.2 and 15.7 ms. The
 dKV adds (T × used slots × 576 fp32) are the backward's floor: alone (dkv_adds_kernel) they take
 10.7-10.9 ms at 8K whatever the head count, about 3.2 TB/s of 16-byte fp32 reductions (run AI in
-docs/kernels.md). The kernel walks only a token's active
-slot blocks (sparse_mla_fwd.active_slots).
+docs/kernels.md). The kernel walks only a token's active slot blocks (sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
 (the fused backend feeds fp32 models through float16: 8× finer rounding, see sparse_mla.py).

@@ -87,4 +87,3 @@ def test_dkv_adds_kernel_adds_once_per_selection(used_first):
     counts = torch.bincount(idx[idx >= 0].long(), minlength=kv.shape[0]).float()
     assert counts.sum() > 0
     torch.testing.assert_close(dkv, counts[:, None].expand(-1, 576), rtol=0, atol=0)
-
