@@ -47,6 +47,7 @@ import importlib  # noqa: E402
 iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
 from timing import times_ms  # noqa: E402  (benchmarks/timing.py)
 
+from glm5_bridge.kernels import slot_union  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_bwd as ours_bwd  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_fwd as ours_fwd  # noqa: E402
 
@@ -271,15 +272,18 @@ def bench_sparse(seqs, heads_list, reps):
 # ---------------------------------------------------------------------------------------------- bwd parts
 def bwd_variants(heads=64):
     """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
-    "fused" is what bwd() runs (at 16 heads: 16-head blocks, two CTAs per SM); "fused_no_adds"
-    the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" those adds alone
-    (sparse_mla_bwd.dkv_adds_kernel: the floor they put under the backward); at 16 heads also
-    "fused_min_blocks_1" (registers for one CTA per SM). The two-kernel split these were compared
-    with until run U is in the result files (variant "split")."""
-    variants = {"fused": ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"),
-                "fused_no_adds": ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False)}
-    if heads == 16:
-        variants["fused_min_blocks_1"] = ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", min_blocks=1)
+    "fused" is what bwd() runs (below 64 heads: token groups, sparse_mla_bwd.token_group);
+    "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" the
+    per-token kernel's adds alone (sparse_mla_bwd.dkv_adds_kernel: the floor they put under it);
+    below 64 heads also "fused_per_token" (one token per CTA: the kernel before run AJ; at 16 heads
+    two CTAs per SM), "fused_torch_union" and "fused_triton_union" (token groups, their union
+    from the torch sort or from slot_union's Triton kernel; "fused" uses what bwd() uses). The
+    two-kernel split these were compared with until run U is in the result files ("split")."""
+    group = ours_bwd.token_group(heads)
+    variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
+                "fused_no_adds": (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False), group)}
+    if group > 1:
+        variants["fused_per_token"] = (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", group=1), 1)
     adds = ours_bwd.dkv_adds_kernel(TOPK)
 
     def adds_only(q, kv, dout, idx, cnt, lse, delta):
@@ -287,15 +291,14 @@ def bwd_variants(heads=64):
         adds(idx, cnt, dkv)
         return torch.zeros_like(q), dkv
 
-    def one_pass(kernel):
-        def run(q, kv, dout, idx, cnt, lse, delta):
-            dq = torch.empty(q.shape, dtype=q.dtype, device="cuda")  # dq_dtype("bfloat16")
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
-            kernel(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
-            return dq, dkv[:, ours_bwd.fused_dkv_order(dkv.device)]  # its channel order (DKV_ADD)
-        return run
+    def one_pass(kernel, group, union=slot_union.union_slots):
+        return lambda *args: ours_bwd.fused_call(kernel, group, *args, union=union)
 
-    return {**{name: one_pass(k) for name, k in variants.items()}, "adds_only": adds_only}
+    runs = {name: one_pass(*kg) for name, kg in variants.items()}
+    if group > 1:
+        runs["fused_torch_union"] = one_pass(*variants["fused"], lambda idx, g, _: slot_union.union_slots_torch(idx, g))
+        runs["fused_triton_union"] = one_pass(*variants["fused"], lambda idx, g, _: slot_union.union_slots_triton(idx, g))
+    return {**runs, "adds_only": adds_only}
 
 
 def bench_bwd_parts(seqs, heads_list, reps=5):
@@ -311,7 +314,10 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
             dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
             out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
             delta = (out.float() * dout.float()).sum(-1)
-            add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the adds move
+            add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the per-token adds move
+            group = ours_bwd.token_group(heads)
+            group_rows = int(slot_union.union_slots_torch(idx[: s // group * group], group)[2].sum())
+            group_add_gb = group_rows * 576 * 4 / 1e9  # the same for token groups: one row per distinct key
             ref = None
             for name, run in variants.items():
                 args = (q, kv, dout, idx, cnt, lse, delta)
@@ -321,8 +327,13 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
                 emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                      dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
                      tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1),
-                     add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2))
+                     add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
+            if group > 1:  # the token groups' union alone, part of the fused_*_union rows
+                for name, union in (("union_slots_triton", slot_union.union_slots_triton),
+                                    ("union_slots_torch", slot_union.union_slots_torch)):
+                    t, spread = median_ms(lambda: union(idx, group), reps)
+                    emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3))
             del q, kv, idx, cnt, dout, out, lse, delta, ref
             torch.cuda.empty_cache()
 

@@ -19,8 +19,12 @@ T, U): 15.4 ms at 64 heads, 15.3 at 32, 12.2 at 16 (110 KB of shared memory: two
 where the two-kernel split it replaced (ds_kernel wrote P and dS to global memory, dkv_kernel
 added the dKV rows; removed after run U, see docs/kernels.md) took 20.1, 18.2 and 15.7 ms. The
 dKV adds (T × used slots × 576 fp32) are the backward's floor: alone (dkv_adds_kernel) they take
-10.7-10.9 ms at 8K whatever the head count, about 3.2 TB/s of 16-byte fp32 reductions (run AI in
-docs/kernels.md). The kernel walks only a token's active slot blocks (sparse_mla_fwd.active_slots).
+10.7-10.9 ms at 8K whatever the head count, about 3.2 TB/s of 16-byte fp32 reductions (run AI).
+So below 64 heads a CTA takes 64 // H neighbouring tokens (token_group): their (token, head) rows
+fill the 64-row tiles and they walk the union of their slots (slot_union.py), a row masked where its
+token did not select the key, so a shared key is gathered once and its dKV row summed over the
+group before one add (run AJ). The kernel walks only a token's (a group's) active slot blocks
+(sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
 (the fused backend feeds fp32 models through float16: 8× finer rounding, see sparse_mla.py).
@@ -31,6 +35,7 @@ import math
 
 import torch
 
+from glm5_bridge.kernels.slot_union import union_slots
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
 HEAD_BLOCK = 64  # fused_kernel's head block: min(H, 64) heads per CTA
@@ -82,8 +87,16 @@ def fused_dkv_order(device=None) -> torch.Tensor:
     return 16 * b + 4 * q + 2 * h + e
 
 
+def token_group(heads: int) -> int:
+    """Tokens per CTA of the fused backward: 1 from 64 heads up; below, 64 // heads neighbouring
+    tokens (16 heads: 4, 32 heads: 2) whose (token, head) rows fill the kernel's 64-row tiles and
+    who walk the union of their slots, so a key they share is gathered once and its dKV row summed
+    over them before a single add (the adds are the backward's floor: docs/kernels.md, run AJ)."""
+    return HEAD_BLOCK // heads if heads < HEAD_BLOCK else 1
+
+
 def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", cols: int = 128,
-                 adds: bool = True, min_blocks: int | None = None):
+                 adds: bool = True, min_blocks: int | None = None, group: int | None = None):
     """The backward in one pass per (token, head block of min(heads, 64)); see the module
     docstring. Shared memory at 64 heads: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA
     per SM and no staging buffer for the adds: they go straight from the accumulator fragments, 16
@@ -92,12 +105,17 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     4K / 8K / 16K tokens: 6.71 / 15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in
     natural channel order (32 bytes of 8 rows per instruction; run S, one run). cols: dKV channels
     per wgmma tile — with the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256
-    (18.0 ms at 8K, which spills more registers). At 16 heads a CTA needs 110 KB, so by default two
-    share an SM (min_blocks 2: ptxas then fits the kernel in 128 registers without spills; 12.2
-    against 13.3 ms with one CTA per SM at 8K, run T). adds=False leaves the adds out (behind a
-    run-time condition that never holds, so the GEMMs stay): the benchmark's cost split, not a
-    backward."""
+    (18.0 ms at 8K, which spills more registers). At 16 heads with one token per CTA (group=1) a
+    CTA needs 110 KB, so two share an SM (min_blocks 2: ptxas then fits the kernel in 128
+    registers without spills; 12.2 against 13.3 ms with one CTA per SM at 8K, run T).
+    adds=False leaves the adds out (behind a run-time condition that never holds, so the GEMMs
+    stay): the benchmark's cost split, not a backward. group: tokens per CTA (default token_group(heads)); above 1 the kernel sees each group
+    as one "token" of group·heads rows and group·topk slots (the union, `fused_call`), a row
+    seeing a slot where its token's bit is set in Vis."""
     tilelang, T = _tl()
+    group = token_group(heads) if group is None else group
+    rows_per_token = heads if group > 1 else 0
+    heads, topk = heads * group, topk * group
     # 64 keys per step and two warpgroups: DKV_ADD reads the m64 accumulator tile of two
     # warpgroups, 16-channel blocks per warpgroup
     block_i, threads = 64, 256
@@ -105,17 +123,19 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     if min_blocks is None:
         min_blocks = 2 if hb == 16 else 1
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0 and cols % 32 == 0
+    assert group == 1 or heads == hb, "token groups fill one head block"
     nhb, c = heads // hb, scale * LOG2E
     first_added = 0 if adds else 2**30  # no index reaches 2^30
     dt, f32 = getattr(T, dtype), T.float32
     dq_t = getattr(T, dq_dtype(dtype))
     n = T.dynamic("num_tokens")
     nkv = T.dynamic("num_kv")
-    scores = scores_macro(T, hb, block_i)
+    scores = scores_macro(T, hb, block_i, rows_per_token)
 
     @T.prim_func
     def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             dO: T.Tensor([n, heads, D_V], dt), Idx: T.Tensor([n, topk], T.int32),
+             Vis: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
              Lse: T.Tensor([n, heads], f32), Delta: T.Tensor([n, heads], f32),
              dQ: T.Tensor([n, heads, D_QK], dq_t), dKV: T.Tensor([nkv, D_QK], f32)):
         with T.Kernel(n * nhb, threads=threads, prelude=DKV_ADD) as bx:
@@ -149,7 +169,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
             # heads (measured faster than two stages of 32 keys: 16.0 vs 17.8 ms at 8K), and the
             # run-time trip count allows no deeper pipeline (sparse_mla_fwd.SKIP_NOTE).
             for i in T.Pipelined(T.ceildiv(Cnt[t], block_i), num_stages=1):
-                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
+                scores(KV, Idx, Vis, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.clear(acc_dp)
                 T.gemm(do_s, k_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for h, r in T.Parallel(hb, block_i):
@@ -261,6 +281,30 @@ def _dtype_name(x: torch.Tensor) -> str:
     return names[x.dtype]
 
 
+def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slots):
+    """Run a fused_kernel build (made with this group) → (dq, dkv fp32 in true channel order).
+    q [T,H,576], dout [T,H,512] contiguous, idx [T,K] int32, cnt = active_slots(idx) (unused for
+    groups: the union has its own), lse / delta [T,H] fp32. For groups, T is padded to a multiple
+    of the group with tokens that select nothing; union(idx, group, num_kv) lists their slots
+    (slot_union.py; the benchmark swaps in the torch version)."""
+    t, h, _ = q.shape
+    if group > 1:
+        pad = -t % group
+        if pad:
+            q, dout = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (q, dout))
+            lse, delta = (torch.cat([x, x.new_zeros(pad, h)]) for x in (lse, delta))
+            idx = torch.cat([idx, idx.new_full((pad, idx.shape[1]), -1)])
+        idx, vis, cnt = union(idx, group, kv.shape[0])
+    else:
+        vis = idx
+    n, rows = q.shape[0] // group, group * h
+    dq = torch.empty(q.shape, dtype=getattr(torch, dq_dtype(_dtype_name(q))), device=q.device)
+    dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
+    kernel(q.view(n, rows, D_QK), kv, dout.view(n, rows, D_V), idx, vis, cnt, lse.view(n, rows),
+           delta.view(n, rows), dq.view(n, rows, D_QK), dkv)
+    return dq[:t], dkv[:, fused_dkv_order(dkv.device)]
+
+
 def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
@@ -270,12 +314,9 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
     delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
-    lse = lse.float().contiguous()
     cnt = active_slots(idx) if used is None else used
-    dq = torch.empty(t, h, D_QK, dtype=getattr(torch, dq_dtype(dtype)), device=q.device)
-    dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
-    get_fused_kernel(h, k, float(scale), dtype)(q, kv, dout, idx, cnt, lse, delta, dq, dkv)
-    return dq, dkv[:, fused_dkv_order(dkv.device)]
+    return fused_call(get_fused_kernel(h, k, float(scale), dtype), token_group(h), q, kv, dout, idx, cnt,
+                      lse.float().contiguous(), delta)
 
 
 def bwd_reference(q, kv, out, dout, idx, lse, scale, chunk=256):

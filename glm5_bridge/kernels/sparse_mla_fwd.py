@@ -75,18 +75,24 @@ def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     return 128 if skip_empty and min(heads, 64) == 64 and topk % 128 == 0 else 64
 
 
-def scores_macro(T, hb: int, block_i: int):
+def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
     """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd):
     gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
-    memory as latent / rope parts, and acc_s = Q·Kᵀ over all 576 channels, −inf on empty slots."""
+    memory as latent / rope parts, and acc_s = Q·Kᵀ over all 576 channels, −inf where row h may
+    not see the slot: Vis < 0 (Vis is Idx itself), or, with rows_per_token (the backward's token
+    groups), bit h // rows_per_token of Vis clear."""
     @T.macro
-    def scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s):
+    def scores(KV, Idx, Vis, t, i, q_s, qt_s, k_s, kt_s, acc_s):
         for r, d in T.Parallel(block_i, D_V):
             k_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), d]
         for r, d in T.Parallel(block_i, D_TAIL):
             kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
         for h, r in T.Parallel(hb, block_i):
-            acc_s[h, r] = T.if_then_else(Idx[t, i * block_i + r] >= 0, 0, -T.infinity(T.float32))
+            if rows_per_token:
+                acc_s[h, r] = T.if_then_else((Vis[t, i * block_i + r] >> (h // rows_per_token)) & 1 == 1, 0,
+                                             -T.infinity(T.float32))
+            else:
+                acc_s[h, r] = T.if_then_else(Vis[t, i * block_i + r] >= 0, 0, -T.infinity(T.float32))
         T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
     return scores
@@ -139,7 +145,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
             # statement in "if any step". An all-empty row's one step adds nothing (its P is 0).
             for i in T.Pipelined(T.max(T.ceildiv(Cnt[t], block_i), 1) if skip_empty else topk // block_i,
                                  num_stages=num_stages):
-                scores(KV, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
+                scores(KV, Idx, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.copy(m, m_old)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
                 for h in T.Parallel(hb):

@@ -87,3 +87,18 @@ def test_dkv_adds_kernel_adds_once_per_selection(used_first):
     counts = torch.bincount(idx[idx >= 0].long(), minlength=kv.shape[0]).float()
     assert counts.sum() > 0
     torch.testing.assert_close(dkv, counts[:, None].expand(-1, 576), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_union_slots_triton_matches_torch(group):
+    """The token groups' union (kernels/slot_union.py), compiled, at top-k 2048 against the torch
+    sort it replaces: equal, on packed causal rows with −1 slots interleaved and an all-empty row."""
+    from glm5_bridge.kernels.slot_union import union_slots_torch, union_slots_triton
+
+    _, _, idx, _ = inputs([1, 63, 3000, 130, 2], 16, torch.bfloat16)
+    idx = idx[: idx.shape[0] // group * group]
+    idx[8:16] = -1  # whole groups that select nothing
+    got, want = union_slots_triton(idx, group), union_slots_torch(idx, group)
+    assert want[2].min() == 0 and want[2].max() > TOPK  # an empty group and one that shares little
+    for name, a, b in zip(("union", "vis", "cnt"), got, want):
+        assert torch.equal(a, b), name
