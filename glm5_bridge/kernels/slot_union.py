@@ -3,29 +3,104 @@
 Below 64 heads the fused backward (sparse_mla_bwd.token_group) runs `group` neighbouring tokens
 per CTA over the union of their slots, so a key they share is gathered once and its dKV row summed
 over them before one add. This module lists each group's distinct keys and which of its tokens
-selected each: `union_slots_torch` (a segmented torch sort: the reference, 2.8 ms at 8K tokens /
-16 heads on an H100, run AJ in docs/kernels.md) and `union_slots_triton` (one Triton program per
-group: the sort, the runs' token bits and the compaction without leaving it). `union_slots` picks.
+selected each: `union_slots_reference`, a segmented torch sort, is what the backward runs (2.8 ms
+at 8K tokens × 16 heads on an H100, a fifth of the grouped backward: run AK in docs/kernels.md).
 
-Triton, not TileLang, for this one helper: it has a block-wide sort and an interpreter
-(TRITON_INTERPRET=1), so the CPU tests run the very kernel the GPU runs.
+Sorting is the wrong tool: a sort of the group's g·K keys (torch's, or a Triton `tl.sort` in one
+program per group, run AK: 2.64 ms) costs more than the union needs. The keys of a group lie in a
+narrow range (causal, one sequence), so `union_slots_kernel` marks them in a map over that range
+instead, in windows of WINDOW keys: bit j of map[key − w0] set (shared-memory atomicOr) when token
+j chose the key, then the window's set entries compacted in key order, so the union comes out
+ascending. It compiles (nvcc, sm_90a) but has not run on a GPU yet (no device time was left, see
+docs/kernels.md "Next" 00): tests/gpu checks it against the reference and bench_dsa times it
+("fused_map_union"); once both pass, the backward should call it on CUDA.
 """
+
+import functools
 
 import torch
 
-EMPTY = torch.iinfo(torch.int32).max  # sorts after every key
-TOKEN_BITS = 3  # a key is packed with its token's place in the group: groups of up to 8
+WINDOW = 8192  # map entries per window: 32 KB of shared memory
+
+# One CTA per group. Thread i holds slots i, i + THREADS, … of the group's G·K (token s / K). A
+# block-wide min / max gives the keys' range; per window of it: clear the map, OR each key's token
+# bit in, then each warp compacts its 1/WARPS of the window in order (32 entries per round, ballot
+# + popc) twice: once to count, once, after a prefix sum over the warps, to write.
+UNION_GROUP = r"""
+template <int K, int G, int THREADS, int W>
+__device__ __forceinline__ void glm5_union_group(const int* idx, int* uni, int* vis, int* count) {
+  constexpr int N = G * K;
+  constexpr int PER = (N + THREADS - 1) / THREADS;
+  constexpr int WARPS = THREADS / 32;
+  constexpr int SEG = W / WARPS;  // map entries a warp compacts
+  static_assert(W % (WARPS * 32) == 0, "window must split into warp rounds");
+  __shared__ int map[W];
+  __shared__ int warp_lo[WARPS], warp_hi[WARPS], warp_set[WARPS];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int key[PER];
+  int lo = 0x7fffffff, hi = -1;
+  #pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int s = j * THREADS + tid;
+    key[j] = s < N ? idx[s] : -1;
+    if (key[j] >= 0) { lo = min(lo, key[j]); hi = max(hi, key[j]); }
+  }
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo = min(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+    hi = max(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+  }
+  if (lane == 0) { warp_lo[warp] = lo; warp_hi[warp] = hi; }
+  __syncthreads();
+  #pragma unroll
+  for (int w = 0; w < WARPS; ++w) { lo = min(lo, warp_lo[w]); hi = max(hi, warp_hi[w]); }
+  int written = 0;  // union entries before this window
+  for (int w0 = lo; w0 <= hi; w0 += W) {  // lo, hi are the same in every thread: no divergence
+    for (int e = tid; e < W; e += THREADS) map[e] = 0;
+    __syncthreads();
+    #pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int e = key[j] - w0;
+      if (key[j] >= 0 && e >= 0 && e < W) atomicOr(&map[e], 1 << ((j * THREADS + tid) / K));
+    }
+    __syncthreads();
+    const int* seg = map + warp * SEG;
+    int set = 0;
+    for (int r = 0; r < SEG; r += 32) set += __popc(__ballot_sync(0xffffffffu, seg[r + lane] != 0));
+    if (lane == 0) warp_set[warp] = set;
+    __syncthreads();
+    int pos = written, total = 0;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) { pos += w < warp ? warp_set[w] : 0; total += warp_set[w]; }
+    for (int r = 0; r < SEG; r += 32) {
+      const int bits = seg[r + lane];
+      const unsigned ballot = __ballot_sync(0xffffffffu, bits != 0);
+      if (bits) {
+        const int at = pos + __popc(ballot & ((1u << lane) - 1u));
+        uni[at] = w0 + warp * SEG + r + lane;
+        vis[at] = bits;
+      }
+      pos += __popc(ballot);
+    }
+    written += total;
+    __syncthreads();  // every warp is done with map and warp_set before the next window
+  }
+  for (int e = written + tid; e < N; e += THREADS) { uni[e] = -1; vis[e] = 0; }
+  if (tid == 0) *count = written;
+}
+"""
 
 
-def union_slots_torch(idx: torch.Tensor, group: int):
+def union_slots_reference(idx: torch.Tensor, group: int):
     """idx [T, K] int32 (−1 = empty slot; a token lists a key at most once), T % group == 0 →
     (union [T/group, group·K] int32: each group's distinct keys ascending, −1 after;
     vis [T/group, group·K] int32: bit j set where token j of the group selected that key;
     cnt [T/group] int32: the union's size)."""
     t, k = idx.shape
     cat = idx.view(t // group, group * k)
-    keys, order = torch.where(cat >= 0, cat, EMPTY).sort(dim=1)
-    valid = keys != EMPTY
+    empty = torch.iinfo(torch.int32).max  # sorts last
+    keys, order = torch.where(cat >= 0, cat, empty).sort(dim=1)
+    valid = keys != empty
     first = torch.ones_like(valid)
     first[:, 1:] = keys[:, 1:] != keys[:, :-1]
     pos = first.long().cumsum(1) - 1  # the key's place in the union
@@ -37,78 +112,35 @@ def union_slots_torch(idx: torch.Tensor, group: int):
     return union, vis, cnt.int()
 
 
-_KERNEL = None
+def union_kernel(group: int, topk: int):
+    """[T/group, group·topk] int32 (the groups' rows side by side) → (union, vis, cnt) as
+    union_slots_reference; group ≤ 31 (one bit per token). Dynamic group count: one build per
+    (group, topk)."""
+    from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
+
+    tilelang, T = _tl()
+    assert 1 <= group < 32
+    slots = group * topk
+    threads = 512 if slots > 8192 else 256  # at most 32 keys in each thread's registers
+    n = T.dynamic("num_groups")
+
+    @T.prim_func
+    def main(Idx: T.Tensor([n, slots], T.int32), Union: T.Tensor([n, slots], T.int32),
+             Vis: T.Tensor([n, slots], T.int32), Cnt: T.Tensor([n], T.int32)):
+        with T.Kernel(n, threads=threads, prelude=UNION_GROUP) as g:
+            T.call_extern("handle", f"glm5_union_group<{topk}, {group}, {threads}, {WINDOW}>",
+                          T.address_of(Idx[g, 0]), T.address_of(Union[g, 0]), T.address_of(Vis[g, 0]),
+                          T.address_of(Cnt[g]))
+
+    return tilelang.compile(main, out_idx=[1, 2, 3], pass_configs=_pass_configs(tilelang))
 
 
-def _kernel():
-    """Build the Triton kernel on first use (importing triton is slow, and CPU runs without
-    TRITON_INTERPRET never need it)."""
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def union_kernel(idx_ptr, union_ptr, vis_ptr, cnt_ptr, K: tl.constexpr, GROUP: tl.constexpr,
-                         EMPTY: tl.constexpr, TOKEN_BITS: tl.constexpr):
-            n: tl.constexpr = GROUP * K
-            g = tl.program_id(0).to(tl.int64)
-            offs = tl.arange(0, n)
-            key = tl.load(idx_ptr + g * n + offs)
-            # key·8 + token: sorting brings a key's selections together, each knowing its token
-            packed = tl.where(key >= 0, (key << TOKEN_BITS) | (offs // K), EMPTY)
-            packed = tl.sort(packed)
-            key = packed >> TOKEN_BITS
-            valid = packed != EMPTY
-            prev = tl.gather(packed, tl.maximum(offs - 1, 0), 0) >> TOKEN_BITS
-            first = valid & ((offs == 0) | (prev != key))
-            # a run of one key is at most GROUP long (a token lists a key once): OR its tokens' bits
-            vis = tl.zeros([n], tl.int32)
-            for j in tl.static_range(GROUP):
-                other = tl.gather(packed, tl.minimum(offs + j, n - 1), 0)
-                same = (other != EMPTY) & ((other >> TOKEN_BITS) == key)
-                vis |= tl.where(same, 1 << (other & ((1 << TOKEN_BITS) - 1)), 0)
-            pos = tl.cumsum(first.to(tl.int32), 0) - 1
-            cnt = tl.sum(first.to(tl.int32), 0)
-            tl.store(union_ptr + g * n + pos, key, mask=first)
-            tl.store(vis_ptr + g * n + pos, vis, mask=first)
-            tl.store(union_ptr + g * n + offs, -1, mask=offs >= cnt)
-            tl.store(vis_ptr + g * n + offs, 0, mask=offs >= cnt)
-            tl.store(cnt_ptr + g, cnt)
-
-        _KERNEL = union_kernel
-    return _KERNEL
+@functools.cache
+def get_union_kernel(group: int, topk: int):
+    return union_kernel(group, topk)
 
 
-def triton_fits(topk: int, group: int, num_kv: int) -> bool:
-    """tl.sort sorts a power-of-two block; the packing leaves 28 bits for a key (< num_kv)."""
-    n = group * topk
-    return n & (n - 1) == 0 and group <= 1 << TOKEN_BITS and num_kv <= 1 << (31 - TOKEN_BITS)
-
-
-# The Triton kernel serves the backward only once a GPU run has checked it (tests/gpu, run AK);
-# until then bwd() uses the torch sort and the benchmark times both.
-TRITON_ON_GPU = False
-
-
-def union_slots(idx: torch.Tensor, group: int, num_kv: int):
-    """union_slots_torch's result (keys index a KV of num_kv rows): from the Triton kernel on a GPU
-    where it fits (and TRITON_ON_GPU), else from torch."""
-    if TRITON_ON_GPU and idx.is_cuda and triton_fits(idx.shape[1], group, num_kv):
-        return union_slots_triton(idx, group)
-    return union_slots_torch(idx, group)
-
-
-def union_slots_triton(idx: torch.Tensor, group: int):
-    """union_slots_torch's result from one Triton program per group (triton_fits must hold)."""
+def union_slots_kernel(idx: torch.Tensor, group: int):
+    """union_slots_reference's result from the CUDA kernel (idx on the GPU, T % group == 0)."""
     t, k = idx.shape
-    n = group * k
-    if not triton_fits(k, group, 0):
-        raise ValueError(f"union_slots_triton: group·top-k = {group}·{k} must be a power of two, group ≤ 8")
-    idx = idx.contiguous()
-    union = torch.empty(t // group, n, dtype=torch.int32, device=idx.device)
-    vis = torch.empty_like(union)
-    cnt = torch.empty(t // group, dtype=torch.int32, device=idx.device)
-    _kernel()[(t // group,)](idx, union, vis, cnt, K=k, GROUP=group, EMPTY=EMPTY,
-                   TOKEN_BITS=TOKEN_BITS, num_warps=8 if n <= 8192 else 16)
-    return union, vis, cnt
+    return get_union_kernel(group, k)(idx.contiguous().view(t // group, group * k))

@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from glm5_bridge.kernels.slot_union import union_slots
+from glm5_bridge.kernels.slot_union import union_slots_reference
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
 HEAD_BLOCK = 64  # fused_kernel's head block: min(H, 64) heads per CTA
@@ -281,12 +281,12 @@ def _dtype_name(x: torch.Tensor) -> str:
     return names[x.dtype]
 
 
-def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slots):
+def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slots_reference):
     """Run a fused_kernel build (made with this group) → (dq, dkv fp32 in true channel order).
     q [T,H,576], dout [T,H,512] contiguous, idx [T,K] int32, cnt = active_slots(idx) (unused for
     groups: the union has its own), lse / delta [T,H] fp32. For groups, T is padded to a multiple
-    of the group with tokens that select nothing; union(idx, group, num_kv) lists their slots
-    (slot_union.py; the benchmark swaps in the torch version)."""
+    of the group with tokens that select nothing; union(idx, group) lists their slots
+    (slot_union.py; the benchmark swaps in its kernel)."""
     t, h, _ = q.shape
     if group > 1:
         pad = -t % group
@@ -294,7 +294,7 @@ def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slo
             q, dout = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (q, dout))
             lse, delta = (torch.cat([x, x.new_zeros(pad, h)]) for x in (lse, delta))
             idx = torch.cat([idx, idx.new_full((pad, idx.shape[1]), -1)])
-        idx, vis, cnt = union(idx, group, kv.shape[0])
+        idx, vis, cnt = union(idx, group)
     else:
         vis = idx
     n, rows = q.shape[0] // group, group * h

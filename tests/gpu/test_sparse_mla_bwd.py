@@ -90,15 +90,22 @@ def test_dkv_adds_kernel_adds_once_per_selection(used_first):
 
 
 @pytest.mark.parametrize("group", [2, 4, 8])
-def test_union_slots_triton_matches_torch(group):
-    """The token groups' union (kernels/slot_union.py), compiled, at top-k 2048 against the torch
-    sort it replaces: equal, on packed causal rows with −1 slots interleaved and an all-empty row."""
-    from glm5_bridge.kernels.slot_union import union_slots_torch, union_slots_triton
+def test_union_kernel_matches_torch(group):
+    """The token groups' union (kernels/slot_union.py), the CUDA kernel at top-k 2048 against the
+    torch sort the backward runs: equal, on packed causal rows with −1 slots interleaved and groups that
+    select nothing, and on rows whose keys span 50 000 (7 windows of the kernel's key map)."""
+    from glm5_bridge.kernels.slot_union import WINDOW, union_slots_kernel, union_slots_reference
 
     _, _, idx, _ = inputs([1, 63, 3000, 130, 2], 16, torch.bfloat16)
     idx = idx[: idx.shape[0] // group * group]
     idx[8:16] = -1  # whole groups that select nothing
-    got, want = union_slots_triton(idx, group), union_slots_torch(idx, group)
-    assert want[2].min() == 0 and want[2].max() > TOPK  # an empty group and one that shares little
-    for name, a, b in zip(("union", "vis", "cnt"), got, want):
-        assert torch.equal(a, b), name
+    g = torch.Generator(device="cuda").manual_seed(group)
+    wide = torch.stack([torch.randperm(50_000, device="cuda", generator=g)[:TOPK] for _ in range(8 * group)]).int()
+    wide[1, ::3] = -1
+    for rows in (idx, wide):
+        got, want = union_slots_kernel(rows, group), union_slots_reference(rows, group)
+        for name, a, b in zip(("union", "vis", "cnt"), got, want):
+            assert torch.equal(a, b), name
+    assert want[2].max() > TOPK and (want[0].max() - want[0][want[0] >= 0].min()) > 6 * WINDOW
+    causal_cnt = union_slots_reference(idx, group)[2]
+    assert causal_cnt.min() == 0 and causal_cnt.max() > TOPK  # an empty group and one that shares little
