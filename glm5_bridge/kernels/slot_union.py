@@ -11,7 +11,8 @@ program per group, run AK: 2.64 ms) costs more than the union needs. The keys of
 narrow range (causal, one sequence), so `union_slots_kernel` marks them in a map over that range
 instead, in windows of WINDOW keys: bit j of map[key − w0] set (shared-memory atomicOr) when token
 j chose the key, then the window's set entries compacted in key order, so the union comes out
-ascending. It compiles (nvcc, sm_90a) but has not run on a GPU yet (no device time was left, see
+ascending. It compiles (nvcc, sm_90a) and its logic passes on emulated thread blocks on the CPU
+(tests/test_slot_union_emulated.py), but it has not run on a GPU yet (no device time was left, see
 docs/kernels.md "Next" 00): tests/gpu checks it against the reference and bench_dsa times it
 ("fused_map_union"); once both pass, the backward should call it on CUDA.
 """
