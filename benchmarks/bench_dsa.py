@@ -277,8 +277,8 @@ def bwd_variants(heads=64):
     per-token kernel's adds alone (sparse_mla_bwd.dkv_adds_kernel: the floor they put under it);
     below 64 heads also "fused_per_token" (one token per CTA: the kernel before run AJ; at 16 heads
     two CTAs per SM) and "fused_map_union" (token groups, their union from slot_union's map
-    kernel instead of the torch sort bwd() runs). The
-    two-kernel split these were compared with until run U is in the result files ("split")."""
+    kernel instead of the torch sort bwd() runs). The two-kernel split these were compared with
+    until run U is in the result files ("split")."""
     group = ours_bwd.token_group(heads)
     variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
                 "fused_no_adds": (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False), group)}
@@ -315,8 +315,10 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
             delta = (out.float() * dout.float()).sum(-1)
             add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the per-token adds move
             group = ours_bwd.token_group(heads)
-            group_rows = int(slot_union.union_slots_reference(idx[: s // group * group], group)[2].sum())
-            group_add_gb = group_rows * 576 * 4 / 1e9  # the same for token groups: one row per distinct key
+            group_add_gb = add_gb  # the same for token groups: one row per distinct key of a group
+            if group > 1:
+                group_rows = int(slot_union.union_slots_reference(idx[: s // group * group], group)[2].sum())
+                group_add_gb = group_rows * 576 * 4 / 1e9
             ref = None
             for name, run in variants.items():
                 args = (q, kv, dout, idx, cnt, lse, delta)

@@ -109,9 +109,10 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     CTA needs 110 KB, so two share an SM (min_blocks 2: ptxas then fits the kernel in 128
     registers without spills; 12.2 against 13.3 ms with one CTA per SM at 8K, run T).
     adds=False leaves the adds out (behind a run-time condition that never holds, so the GEMMs
-    stay): the benchmark's cost split, not a backward. group: tokens per CTA (default token_group(heads)); above 1 the kernel sees each group
-    as one "token" of group·heads rows and group·topk slots (the union, `fused_call`), a row
-    seeing a slot where its token's bit is set in Vis."""
+    stay): the benchmark's cost split, not a backward. group: tokens per CTA (default
+    token_group(heads)); above 1 the kernel sees each group as one "token" of group·heads rows and
+    group·topk slots (the union, `fused_call`), a row seeing a slot where its token's bit is set
+    in Vis."""
     tilelang, T = _tl()
     group = token_group(heads) if group is None else group
     rows_per_token = heads if group > 1 else 0
@@ -309,8 +310,7 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
     (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64."""
-    t, h, _ = q.shape
-    k = idx.shape[1]
+    h, k = q.shape[1], idx.shape[1]
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
     delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
