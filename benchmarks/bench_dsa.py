@@ -276,8 +276,9 @@ def bwd_variants(heads=64):
     "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" the
     per-token kernel's adds alone (sparse_mla_bwd.dkv_adds_kernel: the floor they put under it);
     below 64 heads also "fused_per_token" (one token per CTA: the kernel before run AJ; at 16 heads
-    two CTAs per SM) and "fused_map_union" (token groups, their union from slot_union's map
-    kernel instead of the torch sort bwd() runs). The two-kernel split these were compared with
+    two CTAs per SM) and "fused_torch_union" (token groups, their union from the torch sort instead
+    of slot_union's map kernel, which bwd() runs on the GPU; "fused_map_union" in run AK's files,
+    when the sort was the default). The two-kernel split these were compared with
     until run U is in the result files ("split")."""
     group = ours_bwd.token_group(heads)
     variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
@@ -291,12 +292,12 @@ def bwd_variants(heads=64):
         adds(idx, cnt, dkv)
         return torch.zeros_like(q), dkv
 
-    def one_pass(kernel, group, union=slot_union.union_slots_reference):
+    def one_pass(kernel, group, union=slot_union.union_slots):
         return lambda *args: ours_bwd.fused_call(kernel, group, *args, union=union)
 
     runs = {name: one_pass(*kg) for name, kg in variants.items()}
     if group > 1:
-        runs["fused_map_union"] = one_pass(*variants["fused"], slot_union.union_slots_kernel)
+        runs["fused_torch_union"] = one_pass(*variants["fused"], slot_union.union_slots_reference)
     return {**runs, "adds_only": adds_only}
 
 
@@ -317,7 +318,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
             group = ours_bwd.token_group(heads)
             group_add_gb = add_gb  # the same for token groups: one row per distinct key of a group
             if group > 1:
-                group_rows = int(slot_union.union_slots_reference(idx[: s // group * group], group)[2].sum())
+                group_rows = int(slot_union.union_slots_reference(idx, group)[2].sum())
                 group_add_gb = group_rows * 576 * 4 / 1e9
             ref = None
             for name, run in variants.items():
@@ -330,7 +331,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
                      tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1),
                      add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
-            if group > 1:  # the token groups' union alone (in "fused" and "fused_map_union")
+            if group > 1:  # the token groups' union alone (in "fused" and "fused_torch_union")
                 for name, union in (("union_slots_map_kernel", slot_union.union_slots_kernel),
                                     ("union_slots_torch", slot_union.union_slots_reference)):
                     t, spread = median_ms(lambda: union(idx, group), reps)

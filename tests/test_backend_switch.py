@@ -175,8 +175,8 @@ def test_union_slots_list_each_groups_keys_once_with_who_selected_them(group):
     """Below 64 heads the fused backward runs `group` neighbouring tokens per CTA over the union of
     their slots (kernels/slot_union.py). Against a per-group Python set: the union ascending then
     −1, bit j of vis where token j selected the key, cnt its size; rows that select nothing, −1
-    interleaved, and a group whose union fills every slot. This is the torch version the
-    backward runs; tests/gpu checks the CUDA kernel against it."""
+    interleaved, a group whose union fills every slot, and a short last group (group − 1 tokens).
+    This is the torch version the backward runs; tests/gpu checks the CUDA kernel against it."""
     from glm5_bridge.kernels.slot_union import union_slots_reference
 
     g = torch.Generator().manual_seed(group)
@@ -186,10 +186,12 @@ def test_union_slots_list_each_groups_keys_once_with_who_selected_them(group):
     idx[1] = -1
     idx[2, ::2] = -1
     idx[-group:] = torch.arange(group * k, dtype=torch.int32).view(group, k) + 100  # a full union
+    idx = torch.cat([idx, torch.where(idx[:group - 1] >= 0, idx[:group - 1] + 50, -1)])  # a short last group
     union, vis, cnt = union_slots_reference(idx, group)
-    for gi in range(idx.shape[0] // group):
+    assert union.shape == vis.shape == (5, group * k) and cnt.shape == (5,)
+    for gi in range(5):
         who = {}
-        for j in range(group):
+        for j in range(min(group, idx.shape[0] - gi * group)):
             for key in idx[gi * group + j].tolist():
                 if key >= 0:
                     who[key] = who.get(key, 0) | (1 << j)
@@ -197,7 +199,7 @@ def test_union_slots_list_each_groups_keys_once_with_who_selected_them(group):
         assert cnt[gi] == len(keys)
         assert union[gi].tolist() == keys + [-1] * (group * k - len(keys))
         assert vis[gi].tolist() == [who[key] for key in keys] + [0] * (group * k - len(keys))
-    assert cnt[-1] == group * k
+    assert cnt[3] == group * k
 
 
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128

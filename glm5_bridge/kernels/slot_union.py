@@ -3,18 +3,17 @@
 Below 64 heads the fused backward (sparse_mla_bwd.token_group) runs `group` neighbouring tokens
 per CTA over the union of their slots, so a key they share is gathered once and its dKV row summed
 over them before one add. This module lists each group's distinct keys and which of its tokens
-selected each: `union_slots_reference`, a segmented torch sort, is what the backward runs (2.8 ms
-at 8K tokens × 16 heads on an H100, a fifth of the grouped backward: run AK in docs/kernels.md).
+selected each. `union_slots` is what the backward calls: on the GPU `union_slots_kernel`, on the
+CPU `union_slots_reference` (a segmented torch sort, also the kernel's reference in the tests).
 
-Sorting is the wrong tool: a sort of the group's g·K keys (torch's, or a Triton `tl.sort` in one
-program per group, run AK: 2.64 ms) costs more than the union needs. The keys of a group lie in a
-narrow range (causal, one sequence), so `union_slots_kernel` marks them in a map over that range
-instead, in windows of WINDOW keys: bit j of map[key − w0] set (shared-memory atomicOr) when token
-j chose the key, then the window's set entries compacted in key order, so the union comes out
-ascending. It compiles (nvcc, sm_90a) and its logic passes on emulated thread blocks on the CPU
-(tests/test_slot_union_emulated.py), but it has not run on a GPU yet (no device time was left, see
-docs/kernels.md "Next" 00): tests/gpu checks it against the reference and bench_dsa times it
-("fused_map_union"); once both pass, the backward should call it on CUDA.
+Sorting is the wrong tool: a sort of the group's g·K keys (torch's: 2.8 ms at 8K tokens × 16
+heads on an H100, a fifth of the grouped backward; a Triton `tl.sort` per group was no faster,
+run AK in docs/kernels.md) costs more than the union needs. The keys of a group lie in a narrow
+range (causal, one sequence), so `union_slots_kernel` marks them in a map over that range instead,
+in windows of WINDOW keys: bit j of map[key − w0] set (shared-memory atomicOr) when token j chose
+the key, then the window's set entries compacted in key order, so the union comes out ascending,
+as from the sort. 0.1 ms at 8K (run AM); tests/test_slot_union_emulated.py checks its logic on
+emulated thread blocks on the CPU, tests/gpu against the sort on the GPU.
 """
 
 import functools
@@ -23,13 +22,14 @@ import torch
 
 WINDOW = 8192  # map entries per window: 32 KB of shared memory
 
-# One CTA per group. Thread i holds slots i, i + THREADS, … of the group's G·K (token s / K). A
+# One CTA per group. Thread i holds slots i, i + THREADS, … of the group's G·K (token s / K), of
+# which the first n exist (the last group of a token count that is not a multiple of G is short). A
 # block-wide min / max gives the keys' range; per window of it: clear the map, OR each key's token
 # bit in, then each warp compacts its 1/WARPS of the window in order (32 entries per round, ballot
 # + popc) twice: once to count, once, after a prefix sum over the warps, to write.
 UNION_GROUP = r"""
 template <int K, int G, int THREADS, int W>
-__device__ __forceinline__ void glm5_union_group(const int* idx, int* uni, int* vis, int* count) {
+__device__ __forceinline__ void glm5_union_group(const int* idx, int n, int* uni, int* vis, int* count) {
   constexpr int N = G * K;
   constexpr int PER = (N + THREADS - 1) / THREADS;
   constexpr int WARPS = THREADS / 32;
@@ -43,7 +43,7 @@ __device__ __forceinline__ void glm5_union_group(const int* idx, int* uni, int* 
   #pragma unroll
   for (int j = 0; j < PER; ++j) {
     const int s = j * THREADS + tid;
-    key[j] = s < N ? idx[s] : -1;
+    key[j] = s < n ? idx[s] : -1;
     if (key[j] >= 0) { lo = min(lo, key[j]); hi = max(hi, key[j]); }
   }
   #pragma unroll
@@ -93,12 +93,16 @@ __device__ __forceinline__ void glm5_union_group(const int* idx, int* uni, int* 
 
 
 def union_slots_reference(idx: torch.Tensor, group: int):
-    """idx [T, K] int32 (−1 = empty slot; a token lists a key at most once), T % group == 0 →
-    (union [T/group, group·K] int32: each group's distinct keys ascending, −1 after;
-    vis [T/group, group·K] int32: bit j set where token j of the group selected that key;
-    cnt [T/group] int32: the union's size)."""
+    """idx [T, K] int32 (−1 = empty slot; a token lists a key at most once) → per group of `group`
+    neighbouring tokens (G = ⌈T/group⌉ groups, the last one short if group does not divide T):
+    (union [G, group·K] int32: the group's distinct keys ascending, −1 after;
+    vis [G, group·K] int32: bit j set where token j of the group selected that key;
+    cnt [G] int32: the union's size)."""
     t, k = idx.shape
-    cat = idx.view(t // group, group * k)
+    if t % group:  # the missing tokens select nothing
+        idx = torch.cat([idx, idx.new_full((-t % group, k), -1)])
+    n = idx.shape[0] // group
+    cat = idx.view(n, group * k)
     empty = torch.iinfo(torch.int32).max  # sorts last
     keys, order = torch.where(cat >= 0, cat, empty).sort(dim=1)
     valid = keys != empty
@@ -109,31 +113,31 @@ def union_slots_reference(idx: torch.Tensor, group: int):
     # empty slots all land on place cnt (their run starts there), which stays −1
     union = torch.full_like(cat, -1).scatter_(1, pos, torch.where(valid, keys, -1))
     bits = (1 << (order // k)).int() * valid  # a token selects a key once: the sum is the OR
-    vis = torch.zeros(t // group, group * k, dtype=torch.int32, device=idx.device).scatter_add_(1, pos, bits)
+    vis = torch.zeros(n, group * k, dtype=torch.int32, device=idx.device).scatter_add_(1, pos, bits)
     return union, vis, cnt.int()
 
 
 def union_kernel(group: int, topk: int):
-    """[T/group, group·topk] int32 (the groups' rows side by side) → (union, vis, cnt) as
-    union_slots_reference; group ≤ 31 (one bit per token). Dynamic group count: one build per
-    (group, topk)."""
+    """idx [T, topk] int32 → (union, vis, cnt) as union_slots_reference, written into the given
+    [⌈T/group⌉, group·topk] / [⌈T/group⌉] int32 tensors; group ≤ 31 (one bit per token). Dynamic
+    token count: one build per (group, topk)."""
     from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
 
     tilelang, T = _tl()
     assert 1 <= group < 32
     slots = group * topk
     threads = 512 if slots > 8192 else 256  # at most 32 keys in each thread's registers
-    n = T.dynamic("num_groups")
+    nt, n = T.dynamic("num_tokens"), T.dynamic("num_groups")
 
     @T.prim_func
-    def main(Idx: T.Tensor([n, slots], T.int32), Union: T.Tensor([n, slots], T.int32),
+    def main(Idx: T.Tensor([nt, topk], T.int32), Union: T.Tensor([n, slots], T.int32),
              Vis: T.Tensor([n, slots], T.int32), Cnt: T.Tensor([n], T.int32)):
         with T.Kernel(n, threads=threads, prelude=UNION_GROUP) as g:
             T.call_extern("handle", f"glm5_union_group<{topk}, {group}, {threads}, {WINDOW}>",
-                          T.address_of(Idx[g, 0]), T.address_of(Union[g, 0]), T.address_of(Vis[g, 0]),
-                          T.address_of(Cnt[g]))
+                          T.address_of(Idx[g * group, 0]), T.min(nt - g * group, group) * topk,
+                          T.address_of(Union[g, 0]), T.address_of(Vis[g, 0]), T.address_of(Cnt[g]))
 
-    return tilelang.compile(main, out_idx=[1, 2, 3], pass_configs=_pass_configs(tilelang))
+    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 
 
 @functools.cache
@@ -142,6 +146,15 @@ def get_union_kernel(group: int, topk: int):
 
 
 def union_slots_kernel(idx: torch.Tensor, group: int):
-    """union_slots_reference's result from the CUDA kernel (idx on the GPU, T % group == 0)."""
+    """union_slots_reference's result from the CUDA kernel (idx on the GPU)."""
     t, k = idx.shape
-    return get_union_kernel(group, k)(idx.contiguous().view(t // group, group * k))
+    n = -(-t // group)
+    union, vis = (torch.empty(n, group * k, dtype=torch.int32, device=idx.device) for _ in range(2))
+    cnt = torch.empty(n, dtype=torch.int32, device=idx.device)
+    get_union_kernel(group, k)(idx.contiguous(), union, vis, cnt)
+    return union, vis, cnt
+
+
+def union_slots(idx: torch.Tensor, group: int):
+    """What the backward runs: the CUDA kernel on the GPU, the torch sort elsewhere."""
+    return union_slots_kernel(idx, group) if idx.is_cuda else union_slots_reference(idx, group)

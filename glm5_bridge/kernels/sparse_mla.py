@@ -250,7 +250,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
         builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
-                    "bwd": lambda: sparse_mla_bwd.get_fused_kernel(hk, kp, scale, name),
+                    "bwd": lambda: sparse_mla_bwd.compile_bwd(hk, kp, scale, name),
                     "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:
         upstream_ops()
