@@ -146,8 +146,18 @@ def used_first(idx):
 
 @functools.cache
 def noskip_fwd(heads):
-    """Our forward built to walk every top-k block (2-stage pipeline): the pre-skipping kernel."""
-    return ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=False)
+    """Our forward built to walk every top-k block (2-stage pipeline, one token per CTA): the
+    pre-skipping kernel. (q, kv, idx, cnt) → (out, lse)."""
+    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=False, group=1)
+    return functools.partial(ours_fwd.simple_call, kernel, 1)
+
+
+@functools.cache
+def per_token_fwd(heads):
+    """Our skipping forward with one token per CTA (below 64 heads: the kernel before token
+    groups). (q, kv, idx, cnt) → (out, lse)."""
+    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, group=1)
+    return functools.partial(ours_fwd.simple_call, kernel, 1)
 
 
 def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
@@ -229,6 +239,11 @@ def bench_sparse(seqs, heads_list, reps):
             nf = lambda: noskip_fwd(heads)(q, kv, idx_drawn, cnt)  # noqa: E731
             tf, sf = median_ms(nf, reps)
             row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0]))
+            if slot_union.token_group(heads) > 1:  # the forward's token groups against one token per CTA
+                cnt = ours_fwd.active_slots(idx)
+                pf = lambda: per_token_fwd(heads)(q, kv, idx, cnt)  # noqa: E731
+                tf, sf = median_ms(pf, reps)
+                row("ours_fwd_per_token", tf, sf, out_vs_upstream=rel(pf()[0], o_up[0]))
 
             # the autograd path the model runs (default ops), fwd and fwd+bwd
             qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
@@ -272,7 +287,7 @@ def bench_sparse(seqs, heads_list, reps):
 # ---------------------------------------------------------------------------------------------- bwd parts
 def bwd_variants(heads=64):
     """name → a backward run (q, kv, dout, idx, cnt, lse, delta) → (dq, dkv), delta precomputed.
-    "fused" is what bwd() runs (below 64 heads: token groups, sparse_mla_bwd.token_group);
+    "fused" is what bwd() runs (below 64 heads: token groups, slot_union.token_group);
     "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" the
     per-token kernel's adds alone (sparse_mla_bwd.dkv_adds_kernel: the floor they put under it);
     below 64 heads also "fused_per_token" (one token per CTA: the kernel before run AJ; at 16 heads
@@ -280,7 +295,7 @@ def bwd_variants(heads=64):
     of slot_union's map kernel, which bwd() runs on the GPU; "fused_map_union" in run AK's files,
     when the sort was the default). The two-kernel split these were compared with
     until run U is in the result files ("split")."""
-    group = ours_bwd.token_group(heads)
+    group = slot_union.token_group(heads)
     variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
                 "fused_no_adds": (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False), group)}
     if group > 1:
@@ -315,7 +330,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
             out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
             delta = (out.float() * dout.float()).sum(-1)
             add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the per-token adds move
-            group = ours_bwd.token_group(heads)
+            group = slot_union.token_group(heads)
             group_add_gb = add_gb  # the same for token groups: one row per distinct key of a group
             if group > 1:
                 group_rows = int(slot_union.union_slots_reference(idx, group)[2].sum())

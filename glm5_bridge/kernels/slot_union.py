@@ -1,10 +1,11 @@
-"""The union of neighbouring tokens' top-k slots, for the fused backward's token groups.
+"""Token groups of the sparse-MLA kernels, and the union of their top-k slots.
 
-Below 64 heads the fused backward (sparse_mla_bwd.token_group) runs `group` neighbouring tokens
-per CTA over the union of their slots, so a key they share is gathered once and its dKV row summed
-over them before one add. This module lists each group's distinct keys and which of its tokens
-selected each. `union_slots` is what the backward calls: on the GPU `union_slots_kernel`, on the
-CPU `union_slots_reference` (a segmented torch sort, also the kernel's reference in the tests).
+Below 64 heads the forward (sparse_mla_fwd.simple_kernel) and the fused backward run `group`
+neighbouring tokens per CTA (`token_group`) over the union of their slots, so a key they share is
+gathered once (and, backward, its dKV row summed over them before one add). This module lists
+each group's distinct keys and which of its tokens selected each. `union_slots` is what the
+kernels' callers use: on the GPU `union_slots_kernel`, on the CPU `union_slots_reference` (a
+segmented torch sort, also the kernel's reference in the tests).
 
 Sorting is the wrong tool: a sort of the group's g·K keys (torch's: 2.8 ms at 8K tokens × 16
 heads on an H100, a fifth of the grouped backward; a Triton `tl.sort` per group was no faster,
@@ -21,6 +22,16 @@ import functools
 import torch
 
 WINDOW = 8192  # map entries per window: 32 KB of shared memory
+ROW_TILE = 64  # the sparse-MLA kernels' row tile: min(H, 64) heads per CTA, or a token group's rows
+
+
+def token_group(heads: int) -> int:
+    """Tokens per CTA of the sparse-MLA kernels below 64-head blocks (the forward's simple_kernel,
+    the fused backward): 64 // heads neighbouring tokens (16 heads: 4, 32 heads: 2) whose (token,
+    head) rows fill the 64-row tiles and who walk the union of their slots, so a key they share is
+    gathered once (and, backward, its dKV row summed over them before one add); 1 from 64 up."""
+    return ROW_TILE // heads if heads < ROW_TILE else 1
+
 
 # One CTA per group. Thread i holds slots i, i + THREADS, … of the group's G·K (token s / K), of
 # which the first n exist (the last group of a token count that is not a multiple of G is short). A
@@ -143,6 +154,12 @@ def union_kernel(group: int, topk: int):
 @functools.cache
 def get_union_kernel(group: int, topk: int):
     return union_kernel(group, topk)
+
+
+def compile_union(heads: int, topk: int) -> None:
+    """Build the union kernel the token groups of `heads` use (none from 64 heads up)."""
+    if token_group(heads) > 1:
+        get_union_kernel(token_group(heads), topk)
 
 
 def union_slots_kernel(idx: torch.Tensor, group: int):

@@ -249,7 +249,7 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        builders = {"fwd": lambda: sparse_mla_fwd.get_kernel(hk, kp, scale, name),
+        builders = {"fwd": lambda: sparse_mla_fwd.compile_fwd(hk, kp, scale, name),
                     "bwd": lambda: sparse_mla_bwd.compile_bwd(hk, kp, scale, name),
                     "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:

@@ -35,10 +35,9 @@ import math
 
 import torch
 
-from glm5_bridge.kernels.slot_union import get_union_kernel, union_slots
+from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, token_group, union_slots
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
 
-HEAD_BLOCK = 64  # fused_kernel's head block: min(H, 64) heads per CTA
 
 
 def dq_dtype(dtype: str) -> str:
@@ -87,14 +86,6 @@ def fused_dkv_order(device=None) -> torch.Tensor:
     return 16 * b + 4 * q + 2 * h + e
 
 
-def token_group(heads: int) -> int:
-    """Tokens per CTA of the fused backward: 1 from 64 heads up; below, 64 // heads neighbouring
-    tokens (16 heads: 4, 32 heads: 2) whose (token, head) rows fill the kernel's 64-row tiles and
-    who walk the union of their slots, so a key they share is gathered once and its dKV row summed
-    over them before a single add (the adds are the backward's floor: docs/kernels.md, run AJ)."""
-    return HEAD_BLOCK // heads if heads < HEAD_BLOCK else 1
-
-
 def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", cols: int = 128,
                  adds: bool = True, min_blocks: int | None = None, group: int | None = None):
     """The backward in one pass per (token, head block of min(heads, 64)); see the module
@@ -120,7 +111,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     # 64 keys per step and two warpgroups: DKV_ADD reads the m64 accumulator tile of two
     # warpgroups, 16-channel blocks per warpgroup
     block_i, threads = 64, 256
-    hb = min(heads, HEAD_BLOCK)
+    hb = min(heads, ROW_TILE)
     if min_blocks is None:
         min_blocks = 2 if hb == 16 else 1
     assert heads % hb == 0 and hb >= 16 and topk % block_i == 0 and D_V % cols == 0 and cols % 32 == 0
@@ -282,8 +273,7 @@ def get_fused_kernel(heads: int, topk: int, scale: float, dtype: str):
 def compile_bwd(heads: int, topk: int, scale: float, dtype: str) -> None:
     """Build what `bwd` runs for these shapes: the fused kernel and, for token groups, their union."""
     get_fused_kernel(heads, topk, scale, dtype)
-    if token_group(heads) > 1:
-        get_union_kernel(token_group(heads), topk)
+    compile_union(heads, topk)
 
 
 def _dtype_name(x: torch.Tensor) -> str:

@@ -19,12 +19,15 @@ skip their empty blocks, e.g. the first 2048 tokens of a causal sequence.
   blocks so one's softmax overlaps the other's GEMMs (FlashMLA's sparse-prefill schedule). Run AG:
   3.83 ms = 609 TFLOP/s nominal over all slots (run AE, before O / l became O · (1/l): 4.27;
   run Z, before O left through shared memory: 4.42; simple_kernel 5.28).
-- `simple_kernel` (16 / 32 heads per CTA, and top-k not a multiple of 128): one CTA per (token,
-  head block), 256 threads; each block of keys (128 at 64 heads, `block_keys`) is gathered into
-  shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax,
-  O += P·V in 64-key halves — the textbook flash-attention loop. Run P: 5.18 ms = 451 TFLOP/s at
-  64 heads (upstream 7.95 ms in the same run); on slots with −1 interleaved (nothing to skip)
-  6.55 ms.
+- `simple_kernel` (below 64 heads, and top-k not a multiple of 128): one CTA per (token, head
+  block) — below 64 heads per token group (slot_union.token_group: 64 / H neighbouring tokens
+  whose rows fill the 64-row tile, walking the union of their slots, each row masked where its
+  token did not select the key, as in the backward), 256 threads; each block of keys (128 at 64
+  rows, `block_keys`) is gathered into shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on
+  both warpgroups, online softmax, O += P·V in 64-key halves — the textbook flash-attention loop.
+  Run P: 5.18 ms = 451 TFLOP/s at 64 heads (upstream 7.95 ms in the same run); on slots with −1
+  interleaved (nothing to skip) 6.55 ms. At 8K × 16 heads on an H200 the token groups take 2.69
+  ms against 3.93 with one token per CTA, each gathered key then serving 16 rows (run AN).
 """
 
 import functools
@@ -32,6 +35,8 @@ import math
 from types import SimpleNamespace
 
 import torch
+
+from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, token_group, union_slots
 
 D_QK, D_V = 576, 512
 D_TAIL = D_QK - D_V
@@ -99,11 +104,21 @@ def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
 
 
 def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = None, threads: int = 256,
-                  num_stages: int | None = None, dtype: str = "bfloat16", skip_empty: bool = True):
-    """block_i: keys per step, default block_keys(heads, topk, skip_empty). skip_empty=False walks
-    all top-k blocks whatever Cnt says (the benchmark's baseline, 64-key blocks in two stages)."""
+                  num_stages: int | None = None, dtype: str = "bfloat16", skip_empty: bool = True,
+                  group: int | None = None):
+    """block_i: keys per step, default block_keys(rows per CTA, slots, skip_empty). skip_empty=False
+    walks all top-k blocks whatever Cnt says (the benchmark's baseline, 64-key blocks in two
+    stages). group: tokens per CTA (default token_group(heads): 4 at 16 heads, 2 at 32); above 1
+    a CTA runs the group's group·heads rows over the union of their slots (slot_union.py), a row
+    seeing a slot where its token's bit is set in Vis, as the backward's token groups do. Call it
+    through `simple_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
+    [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows."""
     tilelang, T = _tl()
-    hb = min(heads, 64)
+    group = token_group(heads) if group is None else group
+    rows_per_token = heads if group > 1 else 0
+    heads, topk = heads * group, topk * group
+    hb = min(heads, ROW_TILE)
+    assert group == 1 or heads == hb, "token groups fill one row tile"
     block_i = block_i or block_keys(heads, topk, skip_empty)
     half = min(block_i, PV_KEYS)  # P goes through shared memory PV_KEYS keys at a time
     halves = tuple(range(block_i // half))  # a Python tuple: unrolled at trace time
@@ -112,14 +127,15 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     nhb, c = heads // hb, scale * LOG2E
     num_stages = num_stages or (1 if skip_empty else 2)  # see SKIP_NOTE
     dt, f32 = getattr(T, dtype), T.float32
-    n = T.dynamic("num_tokens")
+    n = T.dynamic("num_tokens")  # the rows of Idx: tokens, or token groups (their union)
     nkv = T.dynamic("num_kv")
-    scores = scores_macro(T, hb, block_i)
+    nr = T.dynamic("num_rows")
+    scores = scores_macro(T, hb, block_i, rows_per_token)
 
     @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-             O: T.Tensor([n, heads, D_V], dt), Lse: T.Tensor([n, heads], f32)):
+    def main(Q: T.Tensor([nr, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             Idx: T.Tensor([n, topk], T.int32), Vis: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             O: T.Tensor([nr, D_V], dt), Lse: T.Tensor([nr], f32)):
         with T.Kernel(n * nhb, threads=threads) as bx:
             q_s = T.alloc_shared([hb, D_V], dt)
             qt_s = T.alloc_shared([hb, D_TAIL], dt)
@@ -133,10 +149,9 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
             l = T.alloc_fragment([hb], f32)
             rs = T.alloc_fragment([hb], f32)
             alpha = T.alloc_fragment([hb], f32)
-            t = bx // nhb
-            h0 = (bx % nhb) * hb
-            T.copy(Q[t, h0:h0 + hb, 0:D_V], q_s)
-            T.copy(Q[t, h0:h0 + hb, D_V:D_QK], qt_s)
+            t, r0 = bx // nhb, bx * hb  # Idx row, first q row
+            T.copy(Q[r0:r0 + hb, 0:D_V], q_s)
+            T.copy(Q[r0:r0 + hb, D_V:D_QK], qt_s)
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -(2.0**30))
@@ -145,7 +160,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
             # statement in "if any step". An all-empty row's one step adds nothing (its P is 0).
             for i in T.Pipelined(T.max(T.ceildiv(Cnt[t], block_i), 1) if skip_empty else topk // block_i,
                                  num_stages=num_stages):
-                scores(KV, Idx, Idx, t, i, q_s, qt_s, k_s, kt_s, acc_s)
+                scores(KV, Idx, Vis, t, i, q_s, qt_s, k_s, kt_s, acc_s)
                 T.copy(m, m_old)
                 T.reduce_max(acc_s, m, dim=1, clear=False)
                 for h in T.Parallel(hb):
@@ -176,10 +191,21 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
                 acc_o[h, d] = acc_o[h, d] * alpha[h]
             for h in T.Parallel(hb):
                 rs[h] = T.if_then_else(l[h] > 0, T.log2(l[h]) + m[h] * c, 0)
-            T.copy(acc_o, O[t, h0:h0 + hb, :])
-            T.copy(rs, Lse[t, h0:h0 + hb])
+            T.copy(acc_o, O[r0:r0 + hb, :])
+            T.copy(rs, Lse[r0:r0 + hb])
 
     return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
+
+
+def simple_call(kernel, group, q, kv, idx, cnt, union=union_slots):
+    """Run a simple_kernel build (made with this group): q [T,H,576], kv [T,576], idx [T,K] int32,
+    cnt = active_slots(idx) (unused for groups: the union has its own) → out [T,H,512], lse [T,H]."""
+    t, h, _ = q.shape
+    vis = idx
+    if group > 1:
+        idx, vis, cnt = union(idx, group)
+    out, lse = kernel(q.reshape(t * h, D_QK), kv, idx, vis, cnt)
+    return out.view(t, h, D_V), lse.view(t, h)
 
 
 def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", regs=(216, 216, 72)):
@@ -450,6 +476,13 @@ def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
     return simple_kernel(heads, topk, float(scale), dtype=dtype)
 
 
+def compile_fwd(heads: int, topk: int, scale: float, dtype: str = "bfloat16") -> None:
+    """Build what `fwd` runs for these shapes: the kernel and, for token groups, their union."""
+    get_kernel(heads, topk, scale, dtype)
+    if not uses_seesaw(heads, topk):
+        compile_union(heads, topk)
+
+
 def fwd(q, kv, idx, scale, cnt=None):
     """q [T,H,576], kv [T,576] (both bfloat16 or both float16), idx [T,K] int32 (K a multiple of 64,
     H a power of two ≥ 16), cnt = active_slots(idx) if not given → out [T,H,512] (q's dtype),
@@ -458,7 +491,10 @@ def fwd(q, kv, idx, scale, cnt=None):
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
     kernel = get_kernel(h, idx.shape[1], float(scale), dtype)
     cnt = active_slots(idx) if cnt is None else cnt
-    return kernel(q.contiguous(), kv.contiguous(), idx.contiguous(), cnt)
+    q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
+    if uses_seesaw(h, idx.shape[1]):
+        return kernel(q, kv, idx, cnt)
+    return simple_call(kernel, token_group(h), q, kv, idx, cnt)
 
 
 def fwd_reference(q, kv, idx, scale, chunk=256):

@@ -2,9 +2,11 @@
 reference (`fwd_reference`, beside the kernels), on the GPU. Error = ‖x − ref‖ / ‖ref‖ over sampled
 rows; out ≤ 1e-2 (bf16 output), lse ≤ 1e-3 (fp32). Shapes: packed short sequences (totals not a
 multiple of 64, rows with fewer visible keys than top-k, −1 slots interleaved), one all-empty row,
-16 / 64 / 128 heads; the slots as drawn and reordered used-first (kernel_indices, what SparseMLA
-passes: the kernel then skips the empty 64-slot blocks at the end of a row). Also: one compiled
-kernel serves every token count (dynamic T).
+16 / 32 / 64 / 128 heads (16 and 32: token groups over the union of their slots, totals the group
+does not divide: a short last group, whose last token is always among the checked rows); the slots
+as drawn and reordered used-first (kernel_indices, what SparseMLA passes: the kernel then skips the
+empty 64-slot blocks at the end of a row). Also: one compiled kernel serves every token count
+(dynamic T).
 """
 
 import pytest
@@ -18,7 +20,8 @@ from glm5_bridge.testing import rel_error as rel
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 SCALE, TOPK = 1 / 16, 2048
-CASES = [([1, 63, 1000, 130], 64), ([777], 16), ([300, 5], 128), ([4096, 2500, 1700], 64)]
+CASES = [([1, 63, 1000, 130], 64), ([777], 16), ([1, 63, 1000, 130], 16), ([777], 32), ([300, 5], 128),
+         ([4096, 2500, 1700], 64)]
 
 
 @pytest.mark.parametrize("order", ["interleaved", "used_first"])
@@ -34,7 +37,7 @@ def test_fwd_matches_reference(order, lengths, heads):
     if order == "used_first":
         idx = kernel_indices(idx)[0][0, :, 0]
     rows = torch.unique(torch.cat([torch.randperm(total, device="cuda", generator=g)[:256],
-                                   torch.tensor([0, empty], device="cuda")]))
+                                   torch.tensor([0, empty, total - 1], device="cuda")]))
     out, lse = F.fwd(q, kv, idx, SCALE)
     ref_out, ref_lse = F.fwd_reference(q[rows], kv, idx[rows], SCALE)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -65,7 +68,7 @@ def test_simple_kernel_at_64_heads():
     q = torch.randn(total, 64, 576, device="cuda", generator=g).bfloat16()
     kv = torch.randn(total, 576, device="cuda", generator=g).bfloat16()
     idx = kernel_indices(random_causal_topk(lengths, TOPK, device="cuda", generator=g).int())[0][0, :, 0]
-    out, lse = F.simple_kernel(64, TOPK, SCALE)(q, kv, idx, F.active_slots(idx))
+    out, lse = F.simple_call(F.simple_kernel(64, TOPK, SCALE), 1, q, kv, idx, F.active_slots(idx))
     rows = torch.randperm(total, device="cuda", generator=g)[:256]
     ref_out, ref_lse = F.fwd_reference(q[rows], kv, idx[rows], SCALE)
     e_out, e_lse = rel(out[rows], ref_out), rel(lse[rows], ref_lse)
