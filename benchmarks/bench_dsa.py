@@ -422,7 +422,7 @@ def bench_compile(heads=64, n=20):
     lengths = [int(x) for x in torch.randint(300, 12000, (n,), generator=gen, device="cuda").tolist()]
     def ours_builds():
         return sum(f.cache_info().misses for f in (ours_fwd.get_kernel, ours_bwd.get_fused_kernel,
-                                                   ours_bwd.get_delta_kernel))
+                                                   ours_bwd.get_delta_kernel, slot_union.get_union_kernel))
 
     def upstream_builds():
         return len(fwd_mod._tilelang_sparse_mla_fwd_kernel_cache) + len(bwd_mod._tilelang_sparse_mla_bwd_kernel_cache)

@@ -75,8 +75,9 @@ def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     Shared memory: Q 72 KB + 128 keys 144 KB + one 64-key P tile 8 KB = 224 KB, so P·V runs in
     two 64-key halves. H200, 8K tokens: 5.18 against
     6.09 ms with 64 keys (runs P, O). 64 without skipping (two pipeline stages would not fit),
-    below 64 heads (at 16 heads TileLang 0.1.15 cannot lower the 128-wide row reductions) and when
-    top-k is not a multiple of 128."""
+    below 64 rows per CTA (one token per CTA below 64 heads: at 16 rows TileLang 0.1.15 cannot
+    lower the 128-wide row reductions; token groups fill 64 rows) and when top-k is not a multiple
+    of 128. heads: rows per CTA (a token group's g·H), topk: slots per CTA (its union's g·K)."""
     return 128 if skip_empty and min(heads, 64) == 64 and topk % 128 == 0 else 64
 
 
@@ -465,7 +466,7 @@ def active_slots(idx: torch.Tensor) -> torch.Tensor:
 
 def uses_seesaw(heads: int, topk: int) -> bool:
     """Which forward `get_kernel` builds: `seesaw_kernel` at 64-head blocks with top-k a multiple
-    of 128 (GLM-5 at TP 1: 64 heads, 2048), else `simple_kernel` (16 / 32 heads per CTA)."""
+    of 128 (GLM-5 at TP 1: 64 heads, 2048), else `simple_kernel` (token groups below 64 heads)."""
     return heads % 64 == 0 and topk % 128 == 0
 
 
