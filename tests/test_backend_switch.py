@@ -202,6 +202,24 @@ def test_union_slots_list_each_groups_keys_once_with_who_selected_them(group):
     assert cnt[3] == group * k
 
 
+def test_walked_slots_are_the_tokens_own_or_their_groups_union():
+    """What the kernels walk (sparse_mla_fwd.walked_slots, shared by the forward and backward calls):
+    one token per CTA, its own slots with the used counts given or computed; token groups, the
+    union of their slots with the union's own counts."""
+    from glm5_bridge.kernels.slot_union import union_slots_reference
+    from glm5_bridge.kernels.sparse_mla_fwd import walked_slots
+
+    idx = torch.tensor([[5, -1, 2, -1], [0, 1, -1, -1], [-1, -1, -1, -1], [3, 2, 1, 0], [7, -1, -1, 6]],
+                       dtype=torch.int32)
+    own, vis, cnt = walked_slots(idx, None, 1)
+    assert own is idx and vis is idx and cnt.tolist() == [3, 2, 0, 4, 4]
+    given = torch.tensor([4, 4, 4, 4, 4], dtype=torch.int32)
+    assert walked_slots(idx, given, 1)[2] is given
+    for got, want in zip(walked_slots(idx, given, 2), union_slots_reference(idx, 2)):
+        assert torch.equal(got, want)
+    assert walked_slots(idx, None, 2)[2].tolist() == [4, 4, 2]  # {0, 1, 2, 5}, {0, 1, 2, 3}, {6, 7}
+
+
 @pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
 def test_fused_autograd_glue_matches_unfused(heads, topk):
     lengths = [20, 17, 13]

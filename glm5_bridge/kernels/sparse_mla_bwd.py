@@ -36,7 +36,7 @@ import math
 import torch
 
 from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, token_group, union_slots
-from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, active_slots, scores_macro
+from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, scores_macro, walked_slots
 
 
 
@@ -285,17 +285,14 @@ def _dtype_name(x: torch.Tensor) -> str:
 
 def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slots):
     """Run a fused_kernel build (made with this group) → (dq, dkv fp32 in true channel order).
-    q [T,H,576], dout [T,H,512] contiguous, idx [T,K] int32, cnt = active_slots(idx) (unused for
-    groups: the union has its own), lse / delta [T,H] fp32. For groups, union(idx, group) lists
-    the ⌈T/group⌉ groups' slots (slot_union.py; the benchmark swaps in the torch sort)."""
+    q [T,H,576], dout [T,H,512] contiguous, idx [T,K] int32, cnt as for
+    sparse_mla_fwd.walked_slots, lse / delta [T,H] fp32. For groups, union(idx, group) lists the
+    ⌈T/group⌉ groups' slots (slot_union.py; the benchmark swaps in the torch sort)."""
     t, h, _ = q.shape
     dq = torch.empty(q.shape, dtype=getattr(torch, dq_dtype(_dtype_name(q))), device=q.device)
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
-    vis = idx
-    if group > 1:
-        idx, vis, cnt = union(idx, group)
-    kernel(q.view(t * h, D_QK), kv, dout.view(t * h, D_V), idx, vis, cnt, lse.reshape(t * h),
-           delta.reshape(t * h), dq.view(t * h, D_QK), dkv)
+    kernel(q.view(t * h, D_QK), kv, dout.view(t * h, D_V), *walked_slots(idx, cnt, group, union),
+           lse.reshape(t * h), delta.reshape(t * h), dq.view(t * h, D_QK), dkv)
     return dq, dkv[:, fused_dkv_order(dkv.device)]
 
 
@@ -307,8 +304,7 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
     delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
-    cnt = active_slots(idx) if used is None else used
-    return fused_call(get_fused_kernel(h, k, float(scale), dtype), token_group(h), q, kv, dout, idx, cnt,
+    return fused_call(get_fused_kernel(h, k, float(scale), dtype), token_group(h), q, kv, dout, idx, used,
                       lse.float().contiguous(), delta)
 
 

@@ -198,14 +198,11 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
 
 
-def simple_call(kernel, group, q, kv, idx, cnt, union=union_slots):
+def simple_call(kernel, group, q, kv, idx, cnt=None, union=union_slots):
     """Run a simple_kernel build (made with this group): q [T,H,576], kv [T,576], idx [T,K] int32,
-    cnt = active_slots(idx) (unused for groups: the union has its own) → out [T,H,512], lse [T,H]."""
+    cnt as for `walked_slots` → out [T,H,512], lse [T,H]."""
     t, h, _ = q.shape
-    vis = idx
-    if group > 1:
-        idx, vis, cnt = union(idx, group)
-    out, lse = kernel(q.reshape(t * h, D_QK), kv, idx, vis, cnt)
+    out, lse = kernel(q.reshape(t * h, D_QK), kv, *walked_slots(idx, cnt, group, union))
     return out.view(t, h, D_V), lse.view(t, h)
 
 
@@ -464,6 +461,15 @@ def active_slots(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(idx >= 0, positions, 0).amax(dim=1).to(torch.int32)
 
 
+def walked_slots(idx: torch.Tensor, cnt: torch.Tensor | None, group: int, union=union_slots):
+    """What a build made with this group walks, as its (Idx, Vis, Cnt) arguments: one token per CTA,
+    the token's own slots (Vis is Idx; Cnt = cnt, or active_slots(idx) if not given); token groups,
+    the union of their slots (union(idx, group): its own counts, so cnt is not needed)."""
+    if group > 1:
+        return union(idx, group)
+    return idx, idx, active_slots(idx) if cnt is None else cnt
+
+
 def uses_seesaw(heads: int, topk: int) -> bool:
     """Which forward `get_kernel` builds: `seesaw_kernel` at 64-head blocks with top-k a multiple
     of 128 (GLM-5 at TP 1: 64 heads, 2048), else `simple_kernel` (token groups below 64 heads)."""
@@ -491,10 +497,9 @@ def fwd(q, kv, idx, scale, cnt=None):
     t, h, _ = q.shape
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
     kernel = get_kernel(h, idx.shape[1], float(scale), dtype)
-    cnt = active_slots(idx) if cnt is None else cnt
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
     if uses_seesaw(h, idx.shape[1]):
-        return kernel(q, kv, idx, cnt)
+        return kernel(q, kv, idx, active_slots(idx) if cnt is None else cnt)
     return simple_call(kernel, token_group(h), q, kv, idx, cnt)
 
 
