@@ -172,11 +172,12 @@ def test_fused_dkv_order_groups_each_threads_columns():
 
 @pytest.mark.parametrize("group", [2, 4, 8])
 def test_union_slots_list_each_groups_keys_once_with_who_selected_them(group):
-    """Below 64 heads the fused backward runs `group` neighbouring tokens per CTA over the union of
-    their slots (kernels/slot_union.py). Against a per-group Python set: the union ascending then
-    −1, bit j of vis where token j selected the key, cnt its size; rows that select nothing, −1
-    interleaved, a group whose union fills every slot, and a short last group (group − 1 tokens).
-    This is the torch version the backward runs; tests/gpu checks the CUDA kernel against it."""
+    """Below 64 heads the forward and the fused backward run `group` neighbouring tokens per CTA over
+    the union of their slots (kernels/slot_union.py). Against a per-group Python set: the union
+    ascending then −1, bit j of vis where token j selected the key, cnt its size; rows that select
+    nothing, −1 interleaved, a group whose union fills every slot, and a short last group (group − 1
+    tokens). This is the torch version (the CPU's, and the reference tests/gpu checks the CUDA
+    kernel against)."""
     from glm5_bridge.kernels.slot_union import union_slots_reference
 
     g = torch.Generator().manual_seed(group)

@@ -173,5 +173,5 @@ def union_slots_kernel(idx: torch.Tensor, group: int):
 
 
 def union_slots(idx: torch.Tensor, group: int):
-    """What the backward runs: the CUDA kernel on the GPU, the torch sort elsewhere."""
+    """What the forward and backward calls run: the CUDA kernel on the GPU, the torch sort elsewhere."""
     return union_slots_kernel(idx, group) if idx.is_cuda else union_slots_reference(idx, group)
