@@ -11,7 +11,9 @@ slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns
   ours      our fwd and bwd kernels (kernels/sparse_mla_fwd.py, sparse_mla_bwd.py), raw calls; they
             skip a row's empty slot blocks. `ours_interleaved`: the same kernels on the slots
             as drawn (−1 interleaved: nothing to skip); `ours_fwd_noskip`: the forward built
-            without skipping (64-key blocks, 2-stage pipeline, the kernel of earlier runs)
+            without skipping (64-key blocks, 2-stage pipeline, the kernel of earlier runs); below
+            64 heads `ours_fwd_per_token` (one token per CTA) and `ours_fwd_simple_groups`
+            (simple_kernel over the token groups the seesaw now runs)
   upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
   iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs, fed the interleaved
             slots: its reordering is timed), GLM5_DSA_KERNELS=upstream and =ours
@@ -149,7 +151,15 @@ def noskip_fwd(heads):
     """Our forward built to walk every top-k block (2-stage pipeline, one token per CTA): the
     pre-skipping kernel. (q, kv, idx, cnt) → (out, lse)."""
     kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=False, group=1)
-    return functools.partial(ours_fwd.simple_call, kernel, 1)
+    return functools.partial(ours_fwd.fwd_call, kernel, 1)
+
+
+@functools.cache
+def simple_groups_fwd(heads):
+    """simple_kernel over token groups (what fwd() ran below 64 heads in run AN, before the
+    seesaw took the groups). (q, kv, idx, cnt) → (out, lse)."""
+    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE)
+    return functools.partial(ours_fwd.fwd_call, kernel, slot_union.token_group(heads))
 
 
 @functools.cache
@@ -157,7 +167,7 @@ def per_token_fwd(heads):
     """Our skipping forward with one token per CTA (below 64 heads: the kernel before token
     groups). (q, kv, idx, cnt) → (out, lse)."""
     kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, group=1)
-    return functools.partial(ours_fwd.simple_call, kernel, 1)
+    return functools.partial(ours_fwd.fwd_call, kernel, 1)
 
 
 def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
@@ -241,9 +251,10 @@ def bench_sparse(seqs, heads_list, reps):
             row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0]))
             if slot_union.token_group(heads) > 1:  # the forward's token groups against one token per CTA
                 cnt = ours_fwd.active_slots(idx)
-                pf = lambda: per_token_fwd(heads)(q, kv, idx, cnt)  # noqa: E731
-                tf, sf = median_ms(pf, reps)
-                row("ours_fwd_per_token", tf, sf, out_vs_upstream=rel(pf()[0], o_up[0]))
+                for name, kernel_fwd in (("ours_fwd_per_token", per_token_fwd), ("ours_fwd_simple_groups", simple_groups_fwd)):
+                    pf = lambda k=kernel_fwd: k(heads)(q, kv, idx, cnt)  # noqa: E731
+                    tf, sf = median_ms(pf, reps)
+                    row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up[0]))
 
             # the autograd path the model runs (default ops), fwd and fwd+bwd
             qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()

@@ -26,7 +26,7 @@ jobs=(
   "B.fused_kernel(16, 2048, 1/16, 'bfloat16', group=1)"
   "from glm5_bridge.kernels import slot_union; slot_union.get_union_kernel(4, 2048)"
   "import bench_dsa; bench_dsa.noskip_fwd(64); bench_dsa.noskip_fwd(16)"
-  "import bench_dsa; bench_dsa.per_token_fwd(16)"
+  "import bench_dsa; bench_dsa.per_token_fwd(16); bench_dsa.simple_groups_fwd(16)"
   "S.compile_kernels(64, 2048, 1/16, parts=('fwd',), kernels='upstream')"
   "S.compile_kernels(64, 2048, 1/16, parts=('bwd',), kernels='upstream')"
   "S.compile_kernels(16, 2048, 1/16, parts=('fwd',), kernels='upstream')"

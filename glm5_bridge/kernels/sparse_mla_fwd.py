@@ -14,20 +14,22 @@ Two kernels (measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md),
 a token's *active* slots, ceil(cnt[t] / block) blocks where cnt[t] = 1 + the last non-empty slot
 (`active_slots`): rows whose −1 slots come last (select_topk's order, which `SparseMLA` enforces)
 skip their empty blocks, e.g. the first 2048 tokens of a causal sequence.
-- `seesaw_kernel` (64-head blocks, what `get_kernel` builds for GLM-5 at TP 1): warp-specialised —
-  a producer warpgroup gathers 64-key blocks into two stages, two math warpgroups own alternate
-  blocks so one's softmax overlaps the other's GEMMs (FlashMLA's sparse-prefill schedule). Run AG:
-  3.83 ms = 609 TFLOP/s nominal over all slots (run AE, before O / l became O · (1/l): 4.27;
-  run Z, before O left through shared memory: 4.42; simple_kernel 5.28).
-- `simple_kernel` (below 64 heads, and top-k not a multiple of 128): one CTA per (token, head
-  block) — below 64 heads per token group (slot_union.token_group: 64 / H neighbouring tokens
-  whose rows fill the 64-row tile, walking the union of their slots, each row masked where its
-  token did not select the key, as in the backward), 256 threads; each block of keys (128 at 64
-  rows, `block_keys`) is gathered into shared memory (cp.async through T.Pipelined), S = Q·Kᵀ on
-  both warpgroups, online softmax, O += P·V in 64-key halves — the textbook flash-attention loop.
-  Run P: 5.18 ms = 451 TFLOP/s at 64 heads (upstream 7.95 ms in the same run); on slots with −1
-  interleaved (nothing to skip) 6.55 ms. At 8K × 16 heads on an H200 the token groups take 2.69
-  ms against 3.93 with one token per CTA, each gathered key then serving 16 rows (run AN).
+Both run 64-row tiles: a token's block of 64 heads, or below 64 heads a token group
+(slot_union.token_group: 64 / H neighbouring tokens whose rows fill the tile, walking the union of
+their slots, each row masked where its token did not select the key, as in the backward). q, O and
+lse go as flat (token, head) rows (`fwd_call`), the last group's missing rows bounded by the row count.
+- `seesaw_kernel` (what `get_kernel` builds for GLM-5 at every TP: 64-row tiles, slots per CTA a
+  multiple of 128): warp-specialised — a producer warpgroup gathers 64-key blocks into two
+  stages, two math warpgroups own alternate blocks so one's softmax overlaps the other's GEMMs
+  (FlashMLA's sparse-prefill schedule). Run AG: 3.83 ms = 609 TFLOP/s nominal over all slots at
+  64 heads (run AE, before O / l became O · (1/l): 4.27; run Z, before O left through shared
+  memory: 4.42; simple_kernel 5.28). Over token groups (run AO, H100, 8K): 2.01 / 2.94 ms at 16 /
+  32 heads, against 2.65 / 3.86 for simple_kernel's groups and 3.92 / 6.02 per token.
+- `simple_kernel` (top-k not a multiple of 128, and the benchmark's baselines): 256 threads; each
+  block of keys (128 at 64 rows, `block_keys`) is gathered into shared memory (cp.async through
+  T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax, O += P·V in 64-key halves — the
+  textbook flash-attention loop. Run P: 5.18 ms = 451 TFLOP/s at 64 heads (upstream 7.95 ms in
+  the same run); on slots with −1 interleaved (nothing to skip) 6.55 ms.
 """
 
 import functools
@@ -112,7 +114,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     stages). group: tokens per CTA (default token_group(heads): 4 at 16 heads, 2 at 32); above 1
     a CTA runs the group's group·heads rows over the union of their slots (slot_union.py), a row
     seeing a slot where its token's bit is set in Vis, as the backward's token groups do. Call it
-    through `simple_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
+    through `fwd_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
     [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows."""
     tilelang, T = _tl()
     group = token_group(heads) if group is None else group
@@ -198,17 +200,18 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
 
 
-def simple_call(kernel, group, q, kv, idx, cnt=None, union=union_slots):
-    """Run a simple_kernel build (made with this group): q [T,H,576], kv [T,576], idx [T,K] int32,
-    cnt as for `walked_slots` → out [T,H,512], lse [T,H]."""
+def fwd_call(kernel, group, q, kv, idx, cnt=None, union=union_slots):
+    """Run a simple_kernel or seesaw_kernel build (made with this group): q [T,H,576], kv [T,576],
+    idx [T,K] int32, cnt as for `walked_slots` → out [T,H,512], lse [T,H]."""
     t, h, _ = q.shape
     out, lse = kernel(q.reshape(t * h, D_QK), kv, *walked_slots(idx, cnt, group, union))
     return out.view(t, h, D_V), lse.view(t, h)
 
 
-def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", regs=(216, 216, 72)):
-    """The forward at 64-head blocks (`get_kernel` uses it when H % 64 == 0 and top-k % 128 == 0):
-    warp-specialised, 384 threads. Keys come in 64-key blocks through two stages, each stored as
+def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", regs=(216, 216, 72),
+                  group: int | None = None):
+    """The forward over 64-row tiles (`uses_seesaw`): a token's 64-head block, or below 64 heads a
+    token group (group as in simple_kernel; call it through `fwd_call`). Warp-specialised, 384 threads. Keys come in 64-key blocks through two stages, each stored as
     three parts — latent left half kl (channels 0…255), right half kr (256…511), rope kt (512…575).
     WG0 owns the even blocks (stage 0), WG1 the odd ones (stage 1): each computes S = Q·Kᵀ and the
     softmax of its own block, so one warpgroup's softmax runs while the other's GEMMs do. O is split
@@ -234,12 +237,16 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     WG0, WG1 and the producers (216 × 256 + 72 × 128 = 64,512 registers, the 168 per thread that
     ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups)."""
     tilelang, T = _tl()
+    group = token_group(heads) if group is None else group
+    rows_per_token = heads if group > 1 else 0
+    heads, topk = heads * group, topk * group
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
     nhb, c = heads // hb, scale * LOG2E
     dt, f32 = getattr(T, dtype), T.float32
-    n = T.dynamic("num_tokens")
+    n = T.dynamic("num_tokens")  # the rows of Idx: tokens, or token groups (their union)
     nkv = T.dynamic("num_kv")
+    nr = T.dynamic("num_rows")
     neg = -(2.0**30)
 
     # Barrier arguments are (buffer, index) pairs: an indexed barrier passed into a macro arrives
@@ -277,10 +284,22 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
             acc[h, d] = acc[h, d] * factor[h]
 
     @T.macro
-    def mask_scores(w, t, Idx, b):
-        # S starts at 0 on used slots and −inf on empty ones; QK accumulates into it
+    def mask_scores(w, t, Vis, b):
+        # S starts at 0 where the row may see the slot and −inf elsewhere; QK accumulates into it
         for h, r in T.Parallel(hb, bi):
-            w.acc_s[h, r] = T.if_then_else(Idx[t, b * bi + r] >= 0, 0, -T.infinity(f32))
+            if rows_per_token:  # token groups: bit h // rows_per_token of Vis
+                w.acc_s[h, r] = T.if_then_else((Vis[t, b * bi + r] >> (h // rows_per_token)) & 1 == 1, 0,
+                                               -T.infinity(f32))
+            else:
+                w.acc_s[h, r] = T.if_then_else(Vis[t, b * bi + r] >= 0, 0, -T.infinity(f32))
+
+    @T.macro
+    def store_rows(src, Dst, r0, col0, cols):
+        # rows r0 … r0 + 63 of the flat output; the last token group's missing rows are not stored
+        # (safe memory access is off in this kernel: TileLang adds no bounds of its own)
+        for r, d in T.Parallel(hb, cols):
+            if r0 + r < nr:
+                Dst[r0 + r, col0 + d] = src[r, d]
 
     @T.macro
     def normalise(w, acc, own):
@@ -339,9 +358,9 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                                rs=T.alloc_fragment([hb], f32), l=T.alloc_fragment([hb], f32))
 
     @T.prim_func
-    def main(Q: T.Tensor([n, heads, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
-             Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
-             O: T.Tensor([n, heads, D_V], dt), Lse: T.Tensor([n, heads], f32)):
+    def main(Q: T.Tensor([nr, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
+             Idx: T.Tensor([n, topk], T.int32), Vis: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32),
+             O: T.Tensor([nr, D_V], dt), Lse: T.Tensor([nr], f32)):
         with T.Kernel(n * nhb, threads=384) as bx:
             g = SimpleNamespace(
                 q_l=T.alloc_shared([hb, dh], dt), q_r=T.alloc_shared([hb, dh], dt),
@@ -362,13 +381,16 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
             kr1 = T.alloc_shared([bi, dh], dt)
             kt1 = T.alloc_shared([bi, D_TAIL], dt)
             tx = T.get_thread_binding()
-            t = bx // nhb
-            h0 = (bx % nhb) * hb
+            t, r0 = bx // nhb, bx * hb  # Idx row, first q row
             npairs = T.max(T.ceildiv(Cnt[t], 2 * bi), 1)
             if tx < 256:
-                T.copy(Q[t, h0:h0 + hb, 0:dh], g.q_l)
-                T.copy(Q[t, h0:h0 + hb, dh:D_V], g.q_r)
-                T.copy(Q[t, h0:h0 + hb, D_V:D_QK], g.q_t)
+                # rows past the end (a short last group) read the last row: masked, not stored
+                for r, d in T.Parallel(hb, dh):
+                    g.q_l[r, d] = Q[T.min(r0 + r, nr - 1), d]
+                for r, d in T.Parallel(hb, dh):
+                    g.q_r[r, d] = Q[T.min(r0 + r, nr - 1), dh + d]
+                for r, d in T.Parallel(hb, D_TAIL):
+                    g.q_t[r, d] = Q[T.min(r0 + r, nr - 1), D_V + d]
             T.sync_threads()
 
             if tx < 128:  # WG0: even blocks, O[:, :256]
@@ -377,7 +399,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                 T.fill(w0.l, 0)
                 T.fill(w0.m_acc, neg)
                 for p in T.serial(npairs):
-                    mask_scores(w0, t, Idx, 2 * p)
+                    mask_scores(w0, t, Vis, 2 * p)
                     qk_part(w0.full_l, 0, p & 1, w0.q_l, kl0, w0.acc_s)
                     qk_part(w0.full_r, 0, p & 1, w0.q_r, kr0, w0.acc_s)
                     qk_part(w0.full_t, 0, p & 1, w0.q_t, kt0, w0.acc_s)
@@ -406,14 +428,14 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                 # O leaves through the Q tile (both warpgroups are past their last QK once normalise
                 # returns): 16-byte row stores instead of 4-byte fragment stores scattered over 8 rows
                 T.copy(acc_l, g.q_l)
-                T.copy(g.q_l, O[t, h0:h0 + hb, 0:dh])
+                store_rows(g.q_l, O, r0, 0, dh)
             elif tx < 256:  # WG1: odd blocks, O[:, 256:], lse
                 T.set_max_nreg(regs[1], 1)
                 T.fill(acc_r, 0)
                 T.fill(w1.l, 0)
                 T.fill(w1.m_acc, neg)
                 for p in T.serial(npairs):
-                    mask_scores(w1, t, Idx, 2 * p + 1)
+                    mask_scores(w1, t, Vis, 2 * p + 1)
                     qk_part(w1.full_r, 1, p & 1, w1.q_r, kr1, w1.acc_s)  # kr1 frees first for WG1
                     qk_part(w1.full_l, 1, p & 1, w1.q_l, kl1, w1.acc_s)
                     qk_part(w1.full_t, 1, p & 1, w1.q_t, kt1, w1.acc_s)
@@ -431,10 +453,12 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                     pv_other(acc_r, kt0, kr0, w1.free_r, w1.free_t, 0)  # block 2p, WG0's P at this max
                 normalise(w1, acc_r, 1)
                 T.copy(acc_r, g.q_r)
-                T.copy(g.q_r, O[t, h0:h0 + hb, dh:D_V])
+                store_rows(g.q_r, O, r0, dh, dh)
                 for h in T.Parallel(hb):
                     w1.rs[h] = T.if_then_else(w1.l[h] > 0, T.log2(w1.l[h]) + w1.m_new[h] * c, 0)
-                T.copy(w1.rs, Lse[t, h0:h0 + hb])
+                for h in T.Parallel(hb):
+                    if r0 + h < nr:
+                        Lse[r0 + h] = w1.rs[h]
             elif tx < 320:  # producer for stage 0 (block 2p), in the order WG0's QK reads it
                 T.set_max_nreg(regs[2], 0)
                 for p in T.serial(npairs):
@@ -471,9 +495,11 @@ def walked_slots(idx: torch.Tensor, cnt: torch.Tensor | None, group: int, union=
 
 
 def uses_seesaw(heads: int, topk: int) -> bool:
-    """Which forward `get_kernel` builds: `seesaw_kernel` at 64-head blocks with top-k a multiple
-    of 128 (GLM-5 at TP 1: 64 heads, 2048), else `simple_kernel` (token groups below 64 heads)."""
-    return heads % 64 == 0 and topk % 128 == 0
+    """Which forward `get_kernel` builds: `seesaw_kernel` where its 64-row tiles fill (64-head
+    blocks, or token groups below 64 heads) and the slots per CTA are a multiple of 128 (GLM-5:
+    top-k 2048), else `simple_kernel`."""
+    g = token_group(heads)
+    return heads * g % 64 == 0 and topk * g % 128 == 0
 
 
 @functools.cache
@@ -486,8 +512,7 @@ def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
 def compile_fwd(heads: int, topk: int, scale: float, dtype: str = "bfloat16") -> None:
     """Build what `fwd` runs for these shapes: the kernel and, for token groups, their union."""
     get_kernel(heads, topk, scale, dtype)
-    if not uses_seesaw(heads, topk):
-        compile_union(heads, topk)
+    compile_union(heads, topk)
 
 
 def fwd(q, kv, idx, scale, cnt=None):
@@ -497,10 +522,7 @@ def fwd(q, kv, idx, scale, cnt=None):
     t, h, _ = q.shape
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
     kernel = get_kernel(h, idx.shape[1], float(scale), dtype)
-    q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()
-    if uses_seesaw(h, idx.shape[1]):
-        return kernel(q, kv, idx, active_slots(idx) if cnt is None else cnt)
-    return simple_call(kernel, token_group(h), q, kv, idx, cnt)
+    return fwd_call(kernel, token_group(h), q.contiguous(), kv.contiguous(), idx.contiguous(), cnt)
 
 
 def fwd_reference(q, kv, idx, scale, chunk=256):
