@@ -122,7 +122,7 @@ def check_fwd():
         ref_o, ref_l = ours_fwd.fwd_reference(q[rows], kv, idx[rows], SCALE)
         runs = {"used_first": lambda: ours_fwd.fwd(q, kv, used_first(idx), SCALE),
                 "interleaved": lambda: ours_fwd.fwd(q, kv, idx, SCALE),
-                "noskip": lambda: noskip_fwd(heads)(q, kv, idx, ours_fwd.active_slots(idx))}
+                "noskip": lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx, ours_fwd.active_slots(idx))}
         for name, run in runs.items():
             try:
                 o, lse = run()
@@ -147,27 +147,13 @@ def used_first(idx):
 
 
 @functools.cache
-def noskip_fwd(heads):
-    """Our forward built to walk every top-k block (2-stage pipeline, one token per CTA): the
-    pre-skipping kernel. (q, kv, idx, cnt) → (out, lse)."""
-    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=False, group=1)
-    return functools.partial(ours_fwd.fwd_call, kernel, 1)
-
-
-@functools.cache
-def simple_groups_fwd(heads):
-    """simple_kernel over token groups (what fwd() ran below 64 heads in run AN, before the
-    seesaw took the groups). (q, kv, idx, cnt) → (out, lse)."""
-    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE)
-    return functools.partial(ours_fwd.fwd_call, kernel, slot_union.token_group(heads))
-
-
-@functools.cache
-def per_token_fwd(heads):
-    """Our skipping forward with one token per CTA (below 64 heads: the kernel before token
-    groups). (q, kv, idx, cnt) → (out, lse)."""
-    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, group=1)
-    return functools.partial(ours_fwd.fwd_call, kernel, 1)
+def simple_fwd(heads, group=1, skip_empty=True):
+    """simple_kernel as a forward (q, kv, idx, cnt) → (out, lse), the benchmark's baselines:
+    skip_empty=False walks every top-k block (2-stage pipeline: the pre-skipping kernel); group 1
+    runs one token per CTA (below 64 heads: the kernel before token groups), token_group(heads)
+    the groups fwd() ran in run AN, before the seesaw took them."""
+    kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=skip_empty, group=group)
+    return functools.partial(ours_fwd.fwd_call, kernel, group)
 
 
 def check_bwd_ours(heads=64, lengths=(1, 63, 1000, 130)):
@@ -246,13 +232,13 @@ def bench_sparse(seqs, heads_list, reps):
                 tb, sb = median_ms(ob, max(3, reps // 2))
                 row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours, o_up[0]))
             cnt = ours_fwd.active_slots(idx_drawn)
-            nf = lambda: noskip_fwd(heads)(q, kv, idx_drawn, cnt)  # noqa: E731
+            nf = lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx_drawn, cnt)  # noqa: E731
             tf, sf = median_ms(nf, reps)
             row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0]))
             if slot_union.token_group(heads) > 1:  # the forward's token groups against one token per CTA
                 cnt = ours_fwd.active_slots(idx)
-                for name, kernel_fwd in (("ours_fwd_per_token", per_token_fwd), ("ours_fwd_simple_groups", simple_groups_fwd)):
-                    pf = lambda k=kernel_fwd: k(heads)(q, kv, idx, cnt)  # noqa: E731
+                for name, group in (("ours_fwd_per_token", 1), ("ours_fwd_simple_groups", slot_union.token_group(heads))):
+                    pf = lambda g=group: simple_fwd(heads, g)(q, kv, idx, cnt)  # noqa: E731
                     tf, sf = median_ms(pf, reps)
                     row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up[0]))
 

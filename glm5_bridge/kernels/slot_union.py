@@ -33,6 +33,17 @@ def token_group(heads: int) -> int:
     return ROW_TILE // heads if heads < ROW_TILE else 1
 
 
+def grouped_shape(heads: int, topk: int, group: int | None):
+    """How a kernel build made for `group` tokens per CTA (default token_group(heads)) sees its
+    input: (group, rows_per_token, rows, slots). Above 1 each group is one "token" of group·heads
+    rows and group·topk slots (their union), rows_per_token = heads telling a row's token (its bit
+    in Vis); for one token per CTA (1, 0, heads, topk)."""
+    group = token_group(heads) if group is None else group
+    if group == 1:
+        return 1, 0, heads, topk
+    return group, heads, heads * group, topk * group
+
+
 # One CTA per group. Thread i holds slots i, i + THREADS, … of the group's G·K (token s / K), of
 # which the first n exist (the last group of a token count that is not a multiple of G is short). A
 # block-wide min / max gives the keys' range; per window of it: clear the map, OR each key's token

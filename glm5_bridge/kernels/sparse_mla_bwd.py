@@ -35,7 +35,7 @@ import math
 
 import torch
 
-from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, token_group, union_slots
+from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shape, token_group, union_slots
 from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, scores_macro, walked_slots
 
 
@@ -105,9 +105,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     group·topk slots (the union, `fused_call`), a row seeing a slot where its token's bit is set
     in Vis."""
     tilelang, T = _tl()
-    group = token_group(heads) if group is None else group
-    rows_per_token = heads if group > 1 else 0
-    heads, topk = heads * group, topk * group
+    group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     # 64 keys per step and two warpgroups: DKV_ADD reads the m64 accumulator tile of two
     # warpgroups, 16-channel blocks per warpgroup
     block_i, threads = 64, 256

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
-from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, token_group, union_slots
+from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shape, token_group, union_slots
 
 D_QK, D_V = 576, 512
 D_TAIL = D_QK - D_V
@@ -83,12 +83,20 @@ def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     return 128 if skip_empty and min(heads, 64) == 64 and topk % 128 == 0 else 64
 
 
+def visible(Vis, t, slot, h, rows_per_token: int):
+    """Whether row h of CTA row t may see `slot` (a TIR condition, for the kernels' score masks):
+    one token per CTA (rows_per_token 0), the slot holds a key (Vis is Idx itself, −1 empty);
+    token groups, the row's token (h // rows_per_token) set its bit in Vis."""
+    if rows_per_token:
+        return (Vis[t, slot] >> (h // rows_per_token)) & 1 == 1
+    return Vis[t, slot] >= 0
+
+
 def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
     """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd):
     gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
     memory as latent / rope parts, and acc_s = Q·Kᵀ over all 576 channels, −inf where row h may
-    not see the slot: Vis < 0 (Vis is Idx itself), or, with rows_per_token (the backward's token
-    groups), bit h // rows_per_token of Vis clear."""
+    not see the slot (`visible`)."""
     @T.macro
     def scores(KV, Idx, Vis, t, i, q_s, qt_s, k_s, kt_s, acc_s):
         for r, d in T.Parallel(block_i, D_V):
@@ -96,11 +104,7 @@ def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
         for r, d in T.Parallel(block_i, D_TAIL):
             kt_s[r, d] = KV[T.max(Idx[t, i * block_i + r], 0), D_V + d]
         for h, r in T.Parallel(hb, block_i):
-            if rows_per_token:
-                acc_s[h, r] = T.if_then_else((Vis[t, i * block_i + r] >> (h // rows_per_token)) & 1 == 1, 0,
-                                             -T.infinity(T.float32))
-            else:
-                acc_s[h, r] = T.if_then_else(Vis[t, i * block_i + r] >= 0, 0, -T.infinity(T.float32))
+            acc_s[h, r] = T.if_then_else(visible(Vis, t, i * block_i + r, h, rows_per_token), 0, -T.infinity(T.float32))
         T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
         T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
     return scores
@@ -117,9 +121,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     through `fwd_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
     [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows."""
     tilelang, T = _tl()
-    group = token_group(heads) if group is None else group
-    rows_per_token = heads if group > 1 else 0
-    heads, topk = heads * group, topk * group
+    group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb = min(heads, ROW_TILE)
     assert group == 1 or heads == hb, "token groups fill one row tile"
     block_i = block_i or block_keys(heads, topk, skip_empty)
@@ -237,9 +239,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     WG0, WG1 and the producers (216 × 256 + 72 × 128 = 64,512 registers, the 168 per thread that
     ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups)."""
     tilelang, T = _tl()
-    group = token_group(heads) if group is None else group
-    rows_per_token = heads if group > 1 else 0
-    heads, topk = heads * group, topk * group
+    group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
     nhb, c = heads // hb, scale * LOG2E
@@ -287,11 +287,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     def mask_scores(w, t, Vis, b):
         # S starts at 0 where the row may see the slot and −inf elsewhere; QK accumulates into it
         for h, r in T.Parallel(hb, bi):
-            if rows_per_token:  # token groups: bit h // rows_per_token of Vis
-                w.acc_s[h, r] = T.if_then_else((Vis[t, b * bi + r] >> (h // rows_per_token)) & 1 == 1, 0,
-                                               -T.infinity(f32))
-            else:
-                w.acc_s[h, r] = T.if_then_else(Vis[t, b * bi + r] >= 0, 0, -T.infinity(f32))
+            w.acc_s[h, r] = T.if_then_else(visible(Vis, t, b * bi + r, h, rows_per_token), 0, -T.infinity(f32))
 
     @T.macro
     def store_rows(src, Dst, r0, col0, cols):
