@@ -97,6 +97,11 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def pad_heads(x, heads):
+    """[T, H, D] → [T, heads, D], the extra heads zero (what the autograd path feeds the kernels)."""
+    return torch.nn.functional.pad(x, (0, 0, 0, heads - x.shape[1])).contiguous()
+
+
 def upstream_mods():
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
@@ -206,41 +211,49 @@ def bench_sparse(seqs, heads_list, reps):
                              bwd_useful_tflops=round(useful * b_fl / bwd_ms / 1e9, 1))
                 emit("sparse_mla", **r)
 
-            # upstream, direct (4-D layout, its own padding): fwd, then bwd from its lse
-            q4, kv4, idx4 = q.view(1, s, heads, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, TOPK)
+            # upstream, direct (4-D layout): fwd, then bwd from its lse; below 16 heads on heads
+            # zero-padded to 16 as the autograd path pads them (its backward's head tiles are unguarded)
+            hu = iface.kernel_heads(heads, iface.UPSTREAM_MIN_HEADS)
+            q4, kv4, idx4 = pad_heads(q, hu).view(1, s, hu, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, TOPK)
+            do4 = pad_heads(dout, hu).view(1, s, hu, 512)
             uf = lambda: fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=SCALE, d_v=512)  # noqa: E731
             tf, sf = median_ms(uf, reps)
             o_up, lse_up = uf()
 
             def ub():
-                delta = bwd_mod.sparse_mla_delta(o_up, dout.view(1, s, heads, 512))
-                return bwd_mod.sparse_mla_bwd(q4, kv4, None, dout.view(1, s, heads, 512), idx4, lse_up,
-                                              sm_scale=SCALE, delta=delta)
+                delta = bwd_mod.sparse_mla_delta(o_up, do4)
+                return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse_up, sm_scale=SCALE, delta=delta)
 
             tb, sb = median_ms(ub, max(3, reps // 2))
             row("upstream", tf, sf, tb, sb)
 
-            # ours: raw kernel calls on the used-first slots and on the slots as drawn
+            # ours: raw kernel calls on the used-first slots and on the slots as drawn; below 16
+            # heads also with the heads zero-padded to 16 (what the autograd path ran before run AQ)
             ops = iface.ours_ops()
-            for name, ix in (("ours", idx), ("ours_interleaved", idx_drawn)):
+            runs = [("ours", idx, heads), ("ours_interleaved", idx_drawn, heads)]
+            runs += [("ours_padded16", idx, 16)] if heads < 16 else []
+            for name, ix, hk in runs:
+                qk, dk = pad_heads(q, hk), pad_heads(dout, hk)
                 n = ours_fwd.active_slots(ix)  # SparseMLA gets it from kernel_indices: not timed here
-                of = lambda ix=ix, n=n: ours_fwd.fwd(q, kv, ix, SCALE, n)  # noqa: E731
+                of = lambda ix=ix, n=n, qk=qk: ours_fwd.fwd(qk, kv, ix, SCALE, n)  # noqa: E731
                 tf, sf = median_ms(of, reps)
                 o_ours, lse_ours = of()
-                ob = lambda ix=ix, n=n: ops.bwd(q4, kv4, o_ours.view(1, s, heads, 512), dout.view(1, s, heads, 512),  # noqa: E731
-                                                ix.view(1, s, 1, TOPK), lse_ours.view(1, s, heads), SCALE, n)
+                ob = lambda ix=ix, n=n, qk=qk, dk=dk, hk=hk: ops.bwd(  # noqa: E731
+                    qk.view(1, s, hk, 576), kv4, o_ours.view(1, s, hk, 512), dk.view(1, s, hk, 512),
+                    ix.view(1, s, 1, TOPK), lse_ours.view(1, s, hk), SCALE, n)
                 tb, sb = median_ms(ob, max(3, reps // 2))
-                row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours, o_up[0]))
-            cnt = ours_fwd.active_slots(idx_drawn)
-            nf = lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx_drawn, cnt)  # noqa: E731
-            tf, sf = median_ms(nf, reps)
-            row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0]))
-            if slot_union.token_group(heads) > 1:  # the forward's token groups against one token per CTA
+                row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours[:, :heads], o_up[0, :, :heads]))
+            if heads >= 16:  # one token per CTA (the baselines below) needs 16-row tiles
+                cnt = ours_fwd.active_slots(idx_drawn)
+                nf = lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx_drawn, cnt)  # noqa: E731
+                tf, sf = median_ms(nf, reps)
+                row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0, :, :heads]))
+            if slot_union.token_group(heads) > 1 and heads >= 16:  # the forward's token groups against one token per CTA
                 cnt = ours_fwd.active_slots(idx)
                 for name, group in (("ours_fwd_per_token", 1), ("ours_fwd_simple_groups", slot_union.token_group(heads))):
                     pf = lambda g=group: simple_fwd(heads, g)(q, kv, idx, cnt)  # noqa: E731
                     tf, sf = median_ms(pf, reps)
-                    row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up[0]))
+                    row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up[0, :, :heads]))
 
             # the autograd path the model runs (default ops), fwd and fwd+bwd
             qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
@@ -295,7 +308,7 @@ def bwd_variants(heads=64):
     group = slot_union.token_group(heads)
     variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
                 "fused_no_adds": (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False), group)}
-    if group > 1:
+    if group > 1 and heads >= 16:  # one token per CTA needs 16-row tiles
         variants["fused_per_token"] = (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", group=1), 1)
     adds = ours_bwd.dkv_adds_kernel(TOPK)
 

@@ -29,7 +29,7 @@ start=$(date +%s)
 pids=()
 i=0
 jobs=()
-for shape in "64,2048,1/16" "16,2048,1/16" "4,8,1/math.sqrt(80)"; do
+for shape in "64,2048,1/16" "16,2048,1/16" "8,2048,1/16" "4,8,1/math.sqrt(80)"; do
     for dtype in bfloat16 float16; do
         for part in fwd bwd delta; do jobs+=("$shape,parts=('$part',),dtype=torch.$dtype"); done
     done

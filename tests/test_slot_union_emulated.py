@@ -25,4 +25,4 @@ def test_union_kernel_logic_in_emulated_thread_blocks(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
     print(run.stdout)
     assert run.returncode == 0, run.stdout
-    assert run.stdout.count(": 0 of") == 7
+    assert run.stdout.count(": 0 of") == 8

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from glm5_bridge.kernels.sparse_mla import D_V
+from glm5_bridge.kernels.sparse_mla import D_V, MIN_HEADS
 
 LN2 = math.log(2.0)
 
@@ -59,7 +59,7 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     return dq[None], dkv[None, :, None]
 
 
-OPS = SimpleNamespace(fwd=fwd, bwd=bwd, float16=True)
+OPS = SimpleNamespace(fwd=fwd, bwd=bwd, float16=True, min_heads=MIN_HEADS)  # pads as ours do
 
 
 def random_causal_topk(lengths: list[int], topk: int, *, device="cpu", generator=None) -> torch.Tensor:

@@ -17,7 +17,10 @@ import torch
 D_QK = 576  # kv_lora_rank 512 ‖ qk_rope_head_dim 64
 D_V = 512  # the value is the latent part of kv
 TOPK_TILE = 64  # our kernels (and upstream's forward) walk the top-k slots 64 at a time
-MIN_HEADS = 16  # head tile: the kernels index heads in tiles of a power of two ≥ 16, unguarded
+# Fewest heads a kernel set runs (others are zero-padded up to a power of two at least this). Ours: 8
+# (8 heads, TP = 8 of GLM-5, run as groups of 8 tokens filling the 64-row tiles); megatron-core's
+# index heads in tiles of a power of two ≥ 16, unguarded.
+MIN_HEADS, UPSTREAM_MIN_HEADS = 8, 16
 
 INSTALL_HINT = "pip install glm5-bridge[tilelang]"
 
@@ -82,7 +85,7 @@ def ours_ops() -> SimpleNamespace:
                                      dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale, used)
         return dq.view(1, t, h, D_QK), dkv.view(1, t, 1, D_QK)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True, min_heads=MIN_HEADS)
 
 
 @functools.cache
@@ -103,12 +106,12 @@ def upstream_ops() -> SimpleNamespace:
         delta = bwd_mod.sparse_mla_delta(out, dout)
         return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False, float16=False)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False, float16=False, min_heads=UPSTREAM_MIN_HEADS)
 
 
-def kernel_heads(heads: int) -> int:
-    """Heads the kernels run with: the next power of two, at least 16."""
-    return max(MIN_HEADS, 1 << max(heads - 1, 0).bit_length())
+def kernel_heads(heads: int, min_heads: int = MIN_HEADS) -> int:
+    """Heads the kernels run with: the next power of two, at least min_heads (the set's)."""
+    return max(min_heads, 1 << max(heads - 1, 0).bit_length())
 
 
 def kernel_topk(topk: int) -> int:
@@ -175,7 +178,7 @@ class SparseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, topk, softmax_scale, ops, dtype=torch.bfloat16):
         t, h, _ = q.shape
-        q4 = _pad_heads(q.to(dtype), kernel_heads(h))
+        q4 = _pad_heads(q.to(dtype), kernel_heads(h, ops.min_heads))
         kv4 = kv.to(dtype).contiguous().view(1, t, 1, D_QK)
         idx4, used = kernel_indices(topk)
         out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale, used)
@@ -243,7 +246,8 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     Parts: ours ("fwd", "bwd", "delta", "slots"), upstream ("fwd", "delta", "bwd", "post", "slots"; "slots"
     is ours in both: kernel_indices' reordering, slot_order.py); default all."""
     kernels = kernels or default_kernels()
-    hk, kp, scale = kernel_heads(heads), kernel_topk(topk), float(softmax_scale)
+    kp, scale = kernel_topk(topk), float(softmax_scale)
+    hk = kernel_heads(heads, MIN_HEADS if kernels == "ours" else UPSTREAM_MIN_HEADS)
     if kernels == "ours":
         require_tilelang()
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd

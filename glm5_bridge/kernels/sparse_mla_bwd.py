@@ -297,7 +297,7 @@ def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slo
 def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
-    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 16; K a multiple of 64."""
+    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 8; K a multiple of 64."""
     h, k = q.shape[1], idx.shape[1]
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()

@@ -513,7 +513,7 @@ def compile_fwd(heads: int, topk: int, scale: float, dtype: str = "bfloat16") ->
 
 def fwd(q, kv, idx, scale, cnt=None):
     """q [T,H,576], kv [T,576] (both bfloat16 or both float16), idx [T,K] int32 (K a multiple of 64,
-    H a power of two ≥ 16), cnt = active_slots(idx) if not given → out [T,H,512] (q's dtype),
+    H a power of two ≥ 8), cnt = active_slots(idx) if not given → out [T,H,512] (q's dtype),
     lse [T,H] fp32."""
     t, h, _ = q.shape
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]

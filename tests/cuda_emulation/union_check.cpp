@@ -54,6 +54,7 @@ int main() {
   failed += !check<2048, 8, 512, WINDOW>(3, 50000, 3);  // keys over 7 windows
   failed += !check<2048, 4, 256, WINDOW>(3, 2048, 4);   // every key of the range chosen
   failed += !check<64, 4, 256, WINDOW>(6, 100, 5);      // the tiny model's padded top-k
+  failed += !check<64, 8, 256, WINDOW>(6, 100, 8, 5);   // and its 4 heads padded to 8: groups of 8, the last short
   failed += !check<2048, 4, 256, WINDOW>(4, 5000, 6, 3);  // a short last group: 3 tokens of 4
   failed += !check<2048, 2, 256, WINDOW>(3, 3000, 7, 1);  // and 1 of 2
   return failed;

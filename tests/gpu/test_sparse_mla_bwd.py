@@ -5,7 +5,7 @@ Inputs in the kernel dtype; lse and out from the fp32 reference forward (out rou
 so the backward is checked on its own. Error = ‖x − ref‖ / ‖ref‖: dq, dkv ≤ 1e-2 in bfloat16,
 ≤ 2e-3 in float16 (3 more mantissa bits). Shapes: packed short sequences (−1 slots interleaved,
 rows with fewer visible keys than top-k, totals not a multiple of 64), one all-empty row (no
-gradient); 16 heads (16-head blocks, two CTAs per SM), 32, 64 and 128 heads (128 = two head
+gradient); 8, 16 and 32 heads (token groups of 8, 4, 2), 64 and 128 heads (128 = two head
 blocks adding into one dkv); the slots as drawn and reordered used-first (what SparseMLA passes).
 """
 
@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SCALE, TOPK = 1 / 16, 2048
 CASES = [([1, 63, 1000, 130], 64), ([300, 5], 128), ([1, 63, 1000, 130], 16), ([777], 16), ([1, 63, 1000, 130], 32),
-         ([777], 32)]  # 777: the token groups' last group short (16 heads: 1 token of 4, 32: 1 of 2)
+         ([777], 32), ([1, 63, 1000, 130], 8), ([777], 8)]
+# 777: the token groups' last group short (8 heads: 1 token of 8, 16: 1 of 4, 32: 1 of 2)
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 

@@ -2,7 +2,7 @@
 reference (`fwd_reference`, beside the kernels), on the GPU. Error = ‖x − ref‖ / ‖ref‖ over sampled
 rows; out ≤ 1e-2 (bf16 output), lse ≤ 1e-3 (fp32). Shapes: packed short sequences (totals not a
 multiple of 64, rows with fewer visible keys than top-k, −1 slots interleaved), one all-empty row,
-16 / 32 / 64 / 128 heads (16 and 32: token groups over the union of their slots, totals the group
+8 / 16 / 32 / 64 / 128 heads (8, 16 and 32: token groups over the union of their slots, totals the group
 does not divide: a short last group, whose last token is always among the checked rows); the slots
 as drawn and reordered used-first (kernel_indices, what SparseMLA passes: the kernel then skips the
 empty 64-slot blocks at the end of a row). Also: one compiled kernel serves every token count
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 SCALE, TOPK = 1 / 16, 2048
 CASES = [([1, 63, 1000, 130], 64), ([777], 16), ([1, 63, 1000, 130], 16), ([777], 32), ([300, 5], 128),
-         ([4096, 2500, 1700], 64)]
+         ([4096, 2500, 1700], 64), ([777], 8), ([1, 63, 1000, 130], 8)]
 
 
 @pytest.mark.parametrize("order", ["interleaved", "used_first"])
@@ -58,13 +58,13 @@ def test_one_build_for_all_lengths():
     assert F.get_kernel.cache_info().misses - builds <= 1
 
 
-@pytest.mark.parametrize("heads", [64, 16])
+@pytest.mark.parametrize("heads", [64, 16, 8])
 def test_simple_kernel(heads):
     """get_kernel builds seesaw_kernel at 64-row tiles (64-head blocks, token groups below);
     simple_kernel serves top-k that is not a multiple of 128 at 64 heads, and is the benchmark's
-    baseline below: the same check on it (at 16 heads with its token groups, 1194 tokens: a short
-    last group)."""
-    assert F.uses_seesaw(64, TOPK) and not F.uses_seesaw(64, 192) and F.uses_seesaw(16, TOPK)
+    baseline below: the same check on it (at 16 and 8 heads with their token groups, 1194 tokens: a
+    short last group)."""
+    assert F.uses_seesaw(64, TOPK) and not F.uses_seesaw(64, 192) and F.uses_seesaw(16, TOPK) and F.uses_seesaw(8, TOPK)
     lengths = [1, 63, 1000, 130]
     g = torch.Generator(device="cuda").manual_seed(5)
     total = sum(lengths)

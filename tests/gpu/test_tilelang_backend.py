@@ -8,11 +8,12 @@ upcast, grads through autograd). Error = ‖fused − ref‖ / ‖ref‖. Run wi
   (b) a tiny converted GLM-5.2 model, whole forward + backward in thd, "tilelang" vs "megatron".
       The stock tiny model (kv_lora 32, rope 8) does not fit the kernels (576 = 512 + 64 only), so
       this one changes kv_lora_rank → 512, qk_rope_head_dim → 64, index_head_dim → 128 (the indexer
-      rope needs ≥ 64); 4 heads (the kernels pad to 16) and top-k 8 (padded to 64) stay. Two more
-      changes keep the model's discrete choices stable: every token routes to all 8 experts (top-2
-      routing flips under bf16-level changes: 0.16–0.37 logprob jumps measured on CPU for an exact
-      bf16 attention), and only layer 0 computes top-k (IndexShare offset 1; its indexer reads the
-      embeddings, so every layer sees the same top-k in both runs — still 8 of up to 150 keys).
+      rope needs ≥ 64); 4 heads (our kernels pad to 8, upstream's to 16) and top-k 8 (padded to 64)
+      stay. Two more changes keep the model's discrete choices stable: every token routes to all 8
+      experts (top-2 routing flips under bf16-level changes: 0.16–0.37 logprob jumps measured on CPU
+      for an exact bf16 attention), and only layer 0 computes top-k (IndexShare offset 1; its
+      indexer reads the embeddings, so every layer sees the same top-k in both runs — still 8 of up
+      to 150 keys).
       The fp32 model feeds the kernels float16 (kernels/sparse_mla.kernel_dtype): exact attention
       with its inputs and output rounded to bfloat16 already moves this model's logprobs by
       ~7e-3 max, rounded to float16 by ~1.3e-3 (float16_attention / bf16_attention, measured in
