@@ -248,7 +248,7 @@ def bench_sparse(seqs, heads_list, reps):
                 nf = lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx_drawn, cnt)  # noqa: E731
                 tf, sf = median_ms(nf, reps)
                 row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0, :, :heads]))
-            if slot_union.token_group(heads) > 1 and heads >= 16:  # the forward's token groups against one token per CTA
+            if slot_union.token_group(heads) > 1 and heads >= 16:  # token groups against one token per CTA
                 cnt = ours_fwd.active_slots(idx)
                 for name, group in (("ours_fwd_per_token", 1), ("ours_fwd_simple_groups", slot_union.token_group(heads))):
                     pf = lambda g=group: simple_fwd(heads, g)(q, kv, idx, cnt)  # noqa: E731

@@ -137,6 +137,32 @@ def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
     assert active_slots(torch.full((2, 64), -1, dtype=torch.int32)).tolist() == [0, 0]
 
 
+def test_heads_pad_to_each_kernel_sets_tile():
+    """Our kernels take 8 heads (GLM-5 at TP = 8) as token groups of 8, so heads pad to a power of
+    two >= 8; upstream's index 16-head tiles unguarded, so theirs pad to >= 16. The autograd glue
+    pads by the set it runs (ops.min_heads): 4 heads reach the reference ops as 8."""
+    from glm5_bridge.kernels import reference
+    from glm5_bridge.kernels.sparse_mla import UPSTREAM_MIN_HEADS, SparseMLA, kernel_heads
+
+    assert [kernel_heads(h) for h in (1, 4, 8, 9, 16, 33, 64, 128)] == [8, 8, 8, 16, 16, 64, 64, 128]
+    assert [kernel_heads(h, UPSTREAM_MIN_HEADS) for h in (1, 8, 9, 64)] == [16, 16, 16, 64]
+    seen = []  # the q shapes the ops get
+
+    def fwd(q, *args):
+        seen.append(q.shape)
+        return reference.OPS.fwd(q, *args)
+
+    ops = type(reference.OPS)(**{**vars(reference.OPS), "fwd": fwd})
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(6, 4, D_QK, generator=g), torch.randn(6, D_QK, generator=g)
+    idx = torch.tensor([[0, -1], [0, 1], [1, 2], [3, 0], [4, 2], [5, 1]])
+    out = SparseMLA.apply(q, kv, idx, 0.1, ops, torch.float32)  # fp32 through: exact to the math
+    assert seen == [(1, 6, 8, D_QK)] and out.shape == (6, 4, 512)
+    ref = torch.softmax((torch.einsum("thd,tkd->thk", q, kv[idx.clamp(min=0)]) * 0.1)
+                        .masked_fill((idx < 0)[:, None], float("-inf")), -1)
+    assert torch.allclose(out, torch.einsum("thk,tkc->thc", ref, kv[idx.clamp(min=0)][..., :512]), atol=1e-5)
+
+
 def test_forward_block_divides_every_kernel_topk():
     """The forward's keys per step (128 at 64 heads and top-k 2048, sparse_mla_fwd.block_keys) divide
     the padded top-k the kernels get, for every head count and top-k the backend accepts: a block
