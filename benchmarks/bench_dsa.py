@@ -20,7 +20,7 @@ slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
 FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
 share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)).
-Dense: SDPA causal, bf16, [1, 64, S, 256] q/k/v; FLOPs counted for the causal half only:
+Dense: SDPA causal, bf16, [1, H, S, 256] q/k/v (H = --dense-heads, default 64); FLOPs counted for the causal half only:
 fwd 2·S²·H·D (QKᵀ and PV, half the S² pairs), bwd 2.5 × fwd.
 Timings: median of CUDA-event times after warm-up; spread = max − min.
 """
@@ -491,19 +491,20 @@ def bench_dense(seqs, heads=64, dim=256, reps=10):
 
 
 def headline():
-    """The issue's headline from this run's rows, where all parts ran: per S at 64 heads, our
-    indexer (scores + top-k) + our sparse-MLA fwd + bwd (raw kernels on used-first slots, the
-    bwd with its delta kernel) against dense SDPA fwd + bwd."""
+    """The issue's headline from this run's rows, where all parts ran: per S (and per head count
+    with a dense row at it: 64 is the issue's, fewer are one rank's share under TP), our indexer
+    (scores + top-k, 32 heads whatever H) + our sparse-MLA fwd + bwd (raw kernels on used-first
+    slots, the bwd with its delta kernel) against dense SDPA fwd + bwd at the same H."""
     def pick(kind, **match):
         return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
 
-    for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours" and r["H"] == 64]:
-        s = sparse["S"]
-        index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s)
+    for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours"]:
+        s, h = sparse["S"], sparse["H"]
+        index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s, H=h)
         if index is None or dense is None or "bwd_ms" not in sparse:
             continue
         total = index["ms"] + sparse["fwd_ms"] + sparse["bwd_ms"]
-        emit("headline", S=s, H=64, indexer_ms=index["ms"], fwd_ms=sparse["fwd_ms"], bwd_ms=sparse["bwd_ms"],
+        emit("headline", S=s, H=h, indexer_ms=index["ms"], fwd_ms=sparse["fwd_ms"], bwd_ms=sparse["bwd_ms"],
              total_ms=round(total, 2), dense_fwd_bwd_ms=dense["fwd_bwd_ms"], below_dense=total < dense["fwd_bwd_ms"])
 
 
@@ -513,6 +514,8 @@ def main():
     ap.add_argument("--parts", default="check,sparse,bwd_parts,indexer,compile,dense")
     ap.add_argument("--seqs", default="4096,8192,16384")
     ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--dense-heads", default="64", help="head counts of the dense bar (fewer: one TP rank's)")
+    ap.add_argument("--indexer-seqs", default="8192,16384,32768")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
@@ -531,11 +534,12 @@ def main():
     if "bwd_parts" in parts:
         bench_bwd_parts([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")])
     if "indexer" in parts:
-        bench_indexer([8192, 16384, 32768])
+        bench_indexer([int(x) for x in a.indexer_seqs.split(",")])
     if "compile" in parts:
         bench_compile()
     if "dense" in parts:
-        bench_dense([int(x) for x in a.seqs.split(",")])
+        for heads in [int(x) for x in a.dense_heads.split(",")]:
+            bench_dense([int(x) for x in a.seqs.split(",")], heads)
     headline()
     print("\n== summary ==")
     for r in ROWS:
