@@ -247,7 +247,7 @@ def test_walked_slots_are_the_tokens_own_or_their_groups_union():
     assert walked_slots(idx, None, 2)[2].tolist() == [4, 4, 2]  # {0, 1, 2, 5}, {0, 1, 2, 3}, {6, 7}
 
 
-@pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 16 heads / 64 slots; exact / 128
+@pytest.mark.parametrize("heads,topk", [(4, 10), (16, 80)])  # padded to 8 heads / 64 slots; exact / 128
 def test_fused_autograd_glue_matches_unfused(heads, topk):
     lengths = [20, 17, 13]
     q, kv, idx = _inputs(lengths, heads, topk, seed=heads, dtype=torch.bfloat16)
