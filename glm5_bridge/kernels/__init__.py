@@ -14,7 +14,8 @@ sparse_mla(q [T,H,576], kv [T,576], topk [T,K] int, softmax_scale, v_dim=512) �
     kv_lora_rank 512 + qk_rope_head_dim 64). Heads are padded to a power of two ≥ 8 (ours; ≥ 16
     for upstream's), so TP shards of 1–8 heads run; the top-k width to a multiple of 64 with −1;
     any token count. bf16 q/kv run in bf16; fp32 q/kv run in float16 when they fit
-    (`kernel_dtype`: 8× finer rounding), with fp32 gradients back. A row whose slots are all −1 outputs zeros (as the unfused reference does).
+    (`kernel_dtype`: 8× finer rounding), with fp32 gradients back. A row whose slots are all −1
+    outputs zeros (as the unfused reference does).
     Rope is not the kernels' business: megatron's AbsorbedMLA has already rotated the last 64
     channels of q and kv before core attention (see attention/backends.py).
 
