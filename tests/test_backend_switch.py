@@ -320,3 +320,8 @@ def test_indexer_host_code_matches_torch_topk(row_block):
     ref = select_topk(q, k, w, starts, topk)
     assert torch.equal(ours.sort(1).values, ref.sort(1).values)
     assert torch.equal(indexer.select_topk(q, k, w, starts, topk), ref)  # CPU/fp32: the torch path itself
+    # a tensor-parallel rank's share of the rows (attention/topk.select_topk_split), mid-sequence
+    for a, b in [(70, 200), (0, 1), (300, 307)]:
+        part = indexer.select_topk(q, k, w, starts, topk, rows=(a, b), row_block=row_block,
+                                   kernel=indexer.reference_logits_kernel(heads, dim))
+        assert torch.equal(part.sort(1).values, ref[a:b].sort(1).values), (a, b)

@@ -69,3 +69,55 @@ def test_sparse_mla_empty_rows_give_zeros_and_finite_grads():
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+
+
+def test_row_range_gives_those_rows_of_the_full_selection():
+    """select_topk(rows=(a, b)) — what each tensor-parallel rank runs for its share of the rows —
+    returns rows a … b−1 of the full selection, across score-chunk boundaries and packed starts."""
+    from glm5_bridge.attention import topk as topk_mod
+
+    starts = flat_starts_thd(torch.tensor([0, 7, 30, 31, 45]), 45)
+    q, k, w = _rand(45, 4, 8), _rand(45, 8, seed=1), _rand(45, 4, seed=2)
+    full = select_topk(q, k, w, starts, 6)
+    chunk, topk_mod.SCORE_ROW_CHUNK = topk_mod.SCORE_ROW_CHUNK, 4  # several chunks per range
+    try:
+        for a, b in [(0, 45), (5, 6), (6, 31), (29, 45), (44, 45), (10, 10)]:
+            assert torch.equal(select_topk(q, k, w, starts, 6, rows=(a, b)), full[a:b]), (a, b)
+    finally:
+        topk_mod.SCORE_ROW_CHUNK = chunk
+
+
+def _split_starts(total):  # three packed sequences (fewer when total is tiny)
+    return flat_starts_thd(torch.tensor(sorted({0, min(5, total), total // 2, total})), total)
+
+
+def _split_topk(rank, world_size, total, topk):
+    from glm5_bridge.attention.topk import select_topk_split
+
+    starts = _split_starts(total)
+    q, k, w = _rand(total, 4, 8), _rand(total, 8, seed=1), _rand(total, 4, seed=2)
+    calls = []
+
+    def counting(*args, rows=None):  # the rows this rank scores
+        calls.append(rows)
+        return select_topk(*args, rows=rows)
+
+    got = select_topk_split(counting, q, k, w, starts, topk, torch.distributed.group.WORLD)
+    return got, calls
+
+
+def test_tensor_parallel_ranks_split_the_indexer_rows():
+    """Under TP every rank holds the same indexer q/k/weights; select_topk_split has each score
+    two of 2·P row chunks (r and 2P−1−r: equal causal work) and all-gathers the rest. Every rank
+    must end with the unsplit selection, having scored only its own rows; also when the token
+    count does not fill the chunks or is smaller than 2P."""
+    from glm5_bridge.distributed import run_local_ranks
+
+    for world, total in [(3, 45), (2, 3)]:
+        want = select_topk(_rand(total, 4, 8), _rand(total, 8, seed=1), _rand(total, 4, seed=2), _split_starts(total), 6)
+        results = run_local_ranks(_split_topk, world, total, 6)
+        chunk = -(-total // (2 * world))
+        for rank, (got, calls) in enumerate(results):
+            assert torch.equal(got, want), (world, total, rank)
+            expect = [(min(c * chunk, total), min((c + 1) * chunk, total)) for c in (rank, 2 * world - 1 - rank)]
+            assert calls == [r for r in expect if r[1] > r[0]], (world, total, rank, calls)

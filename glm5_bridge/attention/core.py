@@ -22,7 +22,7 @@ from megatron.core.utils import get_pg_size
 from glm5_bridge import replay
 from glm5_bridge.attention import index_share
 from glm5_bridge.attention.backends import get_backend, topk_selector
-from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd
+from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd, select_topk_split
 from glm5_bridge.config import topk_source_layers
 
 
@@ -99,7 +99,9 @@ class SparseMLACoreAttention(MegatronModule):
                 q = q.transpose(0, 1).reshape(-1, *q.shape[2:])
                 k = k.transpose(0, 1).reshape(-1, k.shape[-1])
                 w = w.transpose(0, 1).reshape(-1, w.shape[-1])
-                return self.select_topk(q, k, w, starts, self.index_topk)
+                # every TP rank holds the same q/k/w: each scores 1/TP of the rows
+                return select_topk_split(self.select_topk, q, k, w, starts, self.index_topk,
+                                         self.pg_collection.tp)
 
         # R3 indexer replay (glm5_bridge/replay.py): compute(), or the recorded / replayed top-k.
         topk = replay.resolve(self, starts, carrier, compute)

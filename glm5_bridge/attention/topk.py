@@ -38,25 +38,52 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
-                topk: int) -> torch.Tensor:
-    """Top-`topk` visible keys per query by indexer score: [T, topk] int64 flat indices, −1 padded.
+                topk: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Top-`topk` visible keys per query by indexer score: [T, topk] int64 flat indices, −1 padded
+    (rows=(a, b): only queries a … b−1 of the T, → [b − a, topk]).
 
     Never raises on short sequences: a query with fewer than `topk` visible keys gets all of them
     and −1 in the remaining slots, so the width is always `topk`.
     """
     total = k.shape[0]
-    out = torch.full((total, topk), -1, dtype=torch.int64, device=k.device)
+    a, b = rows or (0, total)
+    out = torch.full((b - a, topk), -1, dtype=torch.int64, device=k.device)
     keys = torch.arange(total, device=k.device)
     width = min(topk, total)
-    for r0 in range(0, total, SCORE_ROW_CHUNK):
-        r1 = min(r0 + SCORE_ROW_CHUNK, total)
+    for r0 in range(a, b, SCORE_ROW_CHUNK):
+        r1 = min(r0 + SCORE_ROW_CHUNK, b)
         scores = index_scores(q[r0:r1], k, weights[r0:r1])
-        rows = keys[r0:r1, None]
-        visible = (keys[None, :] >= starts[r0:r1, None]) & (keys[None, :] <= rows)
+        visible = (keys[None, :] >= starts[r0:r1, None]) & (keys[None, :] <= keys[r0:r1, None])
         scores = scores.masked_fill(~visible, float("-inf"))
         best, idx = scores.topk(width, dim=-1)
-        out[r0:r1, :width] = idx.masked_fill(best == float("-inf"), -1)
+        out[r0 - a:r1 - a, :width] = idx.masked_fill(best == float("-inf"), -1)
     return out
+
+
+def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.Tensor:
+    """`select` (a select_topk) with the query rows split across the ranks of `group` (tensor
+    parallel), then all-gathered: every rank holds the same q, k and weights (megatron-core
+    replicates the DSA indexer) and returns the same [T, topk], but scores only 1/P of the rows.
+    Rows go in 2P chunks, rank r taking chunks r and 2P−1−r, so under the causal mask every rank
+    scores about the same number of (query, key) pairs."""
+    parts = group.size() if group is not None and torch.distributed.is_initialized() else 1
+    if parts == 1:
+        return select(q, k, weights, starts, topk)
+    rank, total = group.rank(), k.shape[0]
+    chunk = -(-total // (2 * parts))
+    # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
+    mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
+    for i, c in enumerate((rank, 2 * parts - 1 - rank)):
+        a, b = min(c * chunk, total), min((c + 1) * chunk, total)
+        if b > a:
+            mine[i * chunk:i * chunk + b - a] = select(q, k, weights, starts, topk, rows=(a, b))
+    gathered = [torch.empty_like(mine) for _ in range(parts)]
+    torch.distributed.all_gather(gathered, mine, group=group)
+    out = torch.empty((2 * parts * chunk, topk), dtype=torch.int64, device=k.device)
+    for r, got in enumerate(gathered):
+        for i, c in enumerate((r, 2 * parts - 1 - r)):
+            out[c * chunk:(c + 1) * chunk] = got[i * chunk:(i + 1) * chunk]
+    return out[:total]
 
 
 def check_topk(topk: torch.Tensor, starts: torch.Tensor) -> None:

@@ -142,23 +142,25 @@ def torch_select(scores, topk: int, out, base: int):
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
-                topk: int, row_block: int = ROW_BLOCK, kernel=None, select=None) -> torch.Tensor:
-    """attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded) with the
-    scores from our kernel; non-bf16 or CPU inputs go to the torch version unchanged. `kernel`
+                topk: int, rows: tuple[int, int] | None = None, row_block: int = ROW_BLOCK, kernel=None,
+                select=None) -> torch.Tensor:
+    """attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded; rows=(a, b):
+    queries a … b−1 only) with the scores from our kernel; non-bf16 or CPU inputs go to the torch
+    version unchanged. `kernel`
     replaces the score kernel (reference_logits_kernel runs this host code on the CPU); `select`
     replaces the selection (default: our radix select on the GPU, `torch_select` with `kernel`)."""
     from glm5_bridge.attention import topk as torch_topk
     from glm5_bridge.kernels import radix_topk
 
     if kernel is None and not (q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16):
-        return torch_topk.select_topk(q, k, weights, starts, topk)
+        return torch_topk.select_topk(q, k, weights, starts, topk, rows)
     select = select or (torch_select if kernel is not None else radix_topk.select)
-    total = k.shape[0]
-    out = torch.full((total, topk), -1, dtype=torch.int64, device=k.device)
+    a, b = rows or (0, k.shape[0])
+    out = torch.full((b - a, topk), -1, dtype=torch.int64, device=k.device)
     q, k, weights = q.contiguous(), k.contiguous(), weights.float()
-    for r0 in range(0, total, row_block):
-        r1 = min(r0 + row_block, total)
+    for r0 in range(a, b, row_block):
+        r1 = min(r0 + row_block, b)
         scores, w0 = block_scores(q, k, weights, starts, r0, r1, kernel)
         # A window of at most topk keys is taken whole; torch.topk does that cheaply.
-        (select if scores.shape[1] >= topk else torch_select)(scores, topk, out[r0:r1], w0)
+        (select if scores.shape[1] >= topk else torch_select)(scores, topk, out[r0 - a:r1 - a], w0)
     return out
