@@ -105,8 +105,8 @@ def test_tilelang_backend_validates_inputs():
         fn(q, kv, topk, 0.1, D_V, packed=False)
     with pytest.raises(ValueError, match="v_dim 256"):
         fn(q, kv, topk, 0.1, 256, packed=True)
-    with pytest.raises(ValueError, match="same token count"):
-        fn(q, kv[:-1], topk, 0.1, D_V, packed=True)
+    with pytest.raises(ValueError, match="same row count"):
+        fn(q, kv, topk[:-1], 0.1, D_V, packed=True)
     with pytest.raises(ValueError, match="integer top-k"):
         fn(q, kv, topk.float(), 0.1, D_V, packed=True)
     with pytest.raises(ValueError, match="flat layout"):
@@ -270,6 +270,22 @@ def test_fused_autograd_glue_matches_unfused(heads, topk):
     kv2[:20] += 1
     out2 = SparseMLA.apply(q, kv2, idx, scale, reference.OPS)
     assert torch.equal(out2[20:], out.detach()[20:]) and not torch.equal(out2[:20], out.detach()[:20])
+
+
+def test_fused_autograd_glue_takes_a_subset_of_the_queries():
+    """Token-parallel attention (attention/token_parallel.py) hands the fused backend one rank's
+    query rows over the full kv: the glue must give those rows' outputs and dq, and their share of
+    dkv over all T keys."""
+    q, kv, idx = _inputs([20, 17, 13], 4, 10, seed=3, dtype=torch.float32)
+    rows = torch.tensor([0, 1, 19, 20, 36, 49])
+    full_q, full_kv = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    SparseMLA.apply(full_q, full_kv, idx, 0.1, reference.OPS, torch.float32)[rows].sum().backward()
+    q_r, kv_r = q[rows].clone().requires_grad_(), kv.clone().requires_grad_()
+    out = SparseMLA.apply(q_r, kv_r, idx[rows], 0.1, reference.OPS, torch.float32)
+    out.sum().backward()
+    assert out.shape == (len(rows), 4, D_V) and kv_r.grad.shape == kv.shape
+    assert torch.allclose(q_r.grad, full_q.grad[rows], atol=1e-6)
+    assert torch.allclose(kv_r.grad, full_kv.grad, atol=1e-6)
 
 
 def test_fp32_inputs_run_float16_kernels_with_scaled_dout():

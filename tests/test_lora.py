@@ -203,12 +203,12 @@ def test_compat_6_peft_sees_no_te():
 # --- TP = 2 ------------------------------------------------------------------------------------
 
 
-def _lora_grads_tp1_then_tp2(rank, world_size, path, out_root):
+def _lora_grads_tp1_then_tp2(rank, world_size, path, out_root, token_parallel=False):
     """In each of 2 processes: the TP=1 reference (each rank alone, as data parallel), then TP=2."""
-    return _lora_grads(path, 1, f"{out_root}/tp1"), _lora_grads(path, 2, f"{out_root}/tp2")
+    return _lora_grads(path, 1, f"{out_root}/tp1"), _lora_grads(path, 2, f"{out_root}/tp2", token_parallel)
 
 
-def _lora_grads(path, tp, adapter_dir):
+def _lora_grads(path, tp, adapter_dir, token_parallel=False):
     """Loss, full (gathered) LoRA grads and upstream's `LoRALinear.weight` behaviour at this TP;
     the adapter is exported to `adapter_dir`."""
     import glm5_bridge  # noqa: F401
@@ -218,7 +218,8 @@ def _lora_grads(path, tp, adapter_dir):
     from glm5_bridge.export import export_adapter
     from glm5_bridge.testing import load_megatron, megatron_logits
 
-    bridge, model = load_megatron(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    bridge, model = load_megatron(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                  dsa_token_parallel=token_parallel)
     model = GLM5LoRA(dim=4, alpha=8)(model)
     set_lora_weights(model)
     ids = _ids(seq=32, seed=5)
@@ -279,3 +280,17 @@ def test_tp2_lora_grads_and_adapter_export_match_tp1(tiny_checkpoint, tmp_path):
     tp2_adapter = load_file(tmp_path / "tp2" / "adapter_model.safetensors")
     assert sorted(tp2_adapter) == sorted(ref_adapter) and len(ref_adapter) == 2 * 5 * 7
     assert all(torch.equal(tp2_adapter[k], ref_adapter[k]) for k in ref_adapter)
+
+
+def test_tp2_token_parallel_lora_grads_match_tp1(tiny_checkpoint, tmp_path):
+    """With the sparse attention split by tokens instead of heads (dsa_token_parallel): TP=2 gives
+    TP=1's loss and LoRA gradients, kv_a's included (its dkv is each rank's partial over its
+    tokens, summed by the same TP reduction as the heads-split partials)."""
+    results = run_local_ranks(_lora_grads_tp1_then_tp2, 2, str(tiny_checkpoint("GLM-5.2")), str(tmp_path), True)
+    (ref_loss, ref, _, _), _ = results[0]
+    assert any("linear_kv_down_proj.adapter" in n for n in ref)
+    for _, (loss, grads, _, _) in results:
+        assert abs(loss - ref_loss) <= 1e-6
+        assert sorted(grads) == sorted(ref)
+        for name, g in grads.items():
+            assert (g - ref[name]).abs().max().item() <= TOL, name

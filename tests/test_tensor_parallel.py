@@ -1,18 +1,21 @@
-"""TP=2 with sequence parallel on CPU (2 gloo processes) gives TP=1's logits."""
+"""TP=2 with sequence parallel on CPU (2 gloo processes) gives TP=1's logits, with the sparse
+attention split by heads (megatron's default) or by tokens (dsa_token_parallel)."""
 
+import pytest
 import torch
 
 from glm5_bridge.distributed import run_local_ranks
 
 
-def _tp_logits(rank, world_size, path, tp, seq):
+def _tp_logits(rank, world_size, path, tp, seq, token_parallel=False):
     import glm5_bridge  # noqa: F401
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from glm5_bridge.testing import load_megatron, megatron_logits
 
-    _, model = load_megatron(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    _, model = load_megatron(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                             dsa_token_parallel=token_parallel)
     ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         logits = megatron_logits(model.eval(), ids)
@@ -22,10 +25,11 @@ def _tp_logits(rank, world_size, path, tp, seq):
     return logits
 
 
-def test_tp2_matches_tp1(tiny_checkpoint):
+@pytest.mark.parametrize("token_parallel", [False, True], ids=["heads_split", "tokens_split"])
+def test_tp2_matches_tp1(tiny_checkpoint, token_parallel):
     path = str(tiny_checkpoint("GLM-5.2"))
     ref = run_local_ranks(_tp_logits, 1, path, 1, 32)[0]
-    tp2 = run_local_ranks(_tp_logits, 2, path, 2, 32)
+    tp2 = run_local_ranks(_tp_logits, 2, path, 2, 32, token_parallel)
     for out in tp2:
         assert out.shape == ref.shape
         assert (out - ref).abs().max().item() <= 1e-5

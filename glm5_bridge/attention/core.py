@@ -20,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
 from glm5_bridge import replay
-from glm5_bridge.attention import index_share
+from glm5_bridge.attention import index_share, token_parallel
 from glm5_bridge.attention.backends import get_backend, topk_selector
 from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd, select_topk_split
 from glm5_bridge.config import topk_source_layers
@@ -48,6 +48,7 @@ class SparseMLACoreAttention(MegatronModule):
         self.backend = get_backend(config.dsa_attention_backend)
         self.select_topk = topk_selector(config.dsa_attention_backend)
         self.pg_collection = pg_collection
+        self.token_parallel = getattr(config, "dsa_token_parallel", False) and get_pg_size(pg_collection.tp) > 1
         if get_pg_size(pg_collection.cp) > 1:
             raise NotImplementedError("DSA with context parallelism (CP > 1) is not supported yet")
 
@@ -79,8 +80,12 @@ class SparseMLACoreAttention(MegatronModule):
             starts = flat_starts_bshd(sq, b, query.device)
 
         topk = self._topk(x, qr, starts, packed, packed_seq_params, attention_mask, position_ids)
-        out = self.backend(q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
-                           packed=packed)  # [T, H, 512]
+        if self.token_parallel:  # all heads of this rank's tokens, then back to its heads
+            out = token_parallel.attend(self.backend, q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
+                                        packed=packed, group=self.pg_collection.tp)
+        else:
+            out = self.backend(q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
+                               packed=packed)  # [T, H, 512]
 
         if packed:
             return out.reshape(out.shape[0], -1)

@@ -76,14 +76,14 @@ def ours_ops() -> SimpleNamespace:
 
     def fwd(q, kv, idx, scale, used):
         _, t, h, _ = q.shape
-        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(t, D_QK), idx.view(t, -1), scale, used)
+        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(-1, D_QK), idx.view(t, -1), scale, used)
         return out.view(1, t, h, D_V), lse.view(1, t, h)
 
     def bwd(q, kv, out, dout, idx, lse, scale, used):
         _, t, h, _ = q.shape
-        dq, dkv = sparse_mla_bwd.bwd(q.view(t, h, D_QK), kv.view(t, D_QK), out.view(t, h, D_V),
+        dq, dkv = sparse_mla_bwd.bwd(q.view(t, h, D_QK), kv.view(-1, D_QK), out.view(t, h, D_V),
                                      dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale, used)
-        return dq.view(1, t, h, D_QK), dkv.view(1, t, 1, D_QK)
+        return dq.view(1, t, h, D_QK), dkv.view(1, -1, 1, D_QK)
 
     return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True, min_heads=MIN_HEADS)
 
@@ -179,7 +179,7 @@ class SparseMLA(torch.autograd.Function):
     def forward(ctx, q, kv, topk, softmax_scale, ops, dtype=torch.bfloat16):
         t, h, _ = q.shape
         q4 = _pad_heads(q.to(dtype), kernel_heads(h, ops.min_heads))
-        kv4 = kv.to(dtype).contiguous().view(1, t, 1, D_QK)
+        kv4 = kv.to(dtype).contiguous().view(1, kv.shape[0], 1, D_QK)  # as many keys as queries, or more
         idx4, used = kernel_indices(topk)
         out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale, used)
         out = out4[0, :, :h]
@@ -198,7 +198,7 @@ class SparseMLA(torch.autograd.Function):
         # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
         dq4, dkv4 = ctx.ops.bwd(q4, kv4, _pad_heads(out, heads), _pad_heads(dout.to(out.dtype), heads),
                                 idx4, lse, ctx.softmax_scale, used)
-        dq, dkv = dq4[0, :, :h], dkv4.view(t, D_QK)
+        dq, dkv = dq4[0, :, :h], dkv4.view(-1, D_QK)
         if unscale is not None:
             dq, dkv = dq.float() * unscale, dkv.float() * unscale
         return dq.to(ctx.input_dtypes[0]), dkv.to(ctx.input_dtypes[1]), None, None, None, None
@@ -209,9 +209,9 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: i
     if q.ndim != 3 or kv.ndim != 2 or topk.ndim != 2:
         raise ValueError("tilelang sparse MLA takes the flat layout q [T, H, 576], kv [T, 576], topk [T, K]; got "
                          f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, topk {tuple(topk.shape)}")
-    if not (q.shape[0] == kv.shape[0] == topk.shape[0]):
-        raise ValueError(f"tilelang sparse MLA: q, kv and topk must have the same token count; got "
-                         f"{q.shape[0]}, {kv.shape[0]}, {topk.shape[0]}")
+    if q.shape[0] != topk.shape[0]:  # kv may hold more rows (token-parallel attention: a rank's queries)
+        raise ValueError(f"tilelang sparse MLA: q and topk must have the same row count; got "
+                         f"{q.shape[0]}, {topk.shape[0]}")
     if q.shape[-1] != D_QK or kv.shape[-1] != D_QK or v_dim != D_V:
         raise ValueError(
             f"the TileLang sparse-MLA kernels are built for kv_lora_rank {D_V} + qk_rope_head_dim {D_QK - D_V} "
@@ -228,7 +228,8 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: i
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                v_dim: int = D_V) -> torch.Tensor:
-    """Fused sparse MLA: q [T,H,576], kv [T,576], topk [T,K] flat indices (−1 empty) → [T,H,512].
+    """Fused sparse MLA: q [R,H,576], kv [T,576], topk [R,K] flat indices (−1 empty) → [R,H,512].
+    R = T, or a subset of the T queries (token-parallel attention, attention/token_parallel.py).
 
     Indices must lie in [0, T) or be negative (every negative index counts as an empty slot);
     callers pass select_topk's output or a replayed top-k checked by attention/topk.check_topk.

@@ -20,7 +20,7 @@ def build_policy(recipe: Recipe, **extra_overrides):
 
     m, lo = recipe.model, recipe.lora
     overrides = dict(dsa_attention_backend=m.dsa_attention_backend, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
-                     tensor_model_parallel_size=m.tensor_model_parallel_size,
+                     tensor_model_parallel_size=m.tensor_model_parallel_size, dsa_token_parallel=m.dsa_token_parallel,
                      sequence_parallel=m.tensor_model_parallel_size > 1,
                      expert_model_parallel_size=m.expert_model_parallel_size)
     if m.bf16:

@@ -18,6 +18,7 @@ class ModelConfig:
     checkpoint: str = "runs/demo/hf"  # HF checkpoint folder
     dsa_attention_backend: str = "megatron"  # "megatron" (unfused, any device) | "tilelang" (GPU, thd)
     tensor_model_parallel_size: int = 1
+    dsa_token_parallel: bool = False  # TP > 1: sparse attention split by tokens, not heads
     expert_model_parallel_size: int = 1
     mtp_loss_scaling_factor: float = 0.0  # LoRA fine-tuning trains the main LM loss only by default
     bf16: bool = False  # parameters in bf16 (GPU); fp32 otherwise

@@ -1,0 +1,53 @@
+"""DSA attention split by tokens instead of heads under TP (attention/token_parallel.py): on 2 and 3
+gloo ranks, each holding its heads of q, the full kv and top-k, the output (each rank's heads), dq
+and dkv (summed over ranks, as megatron's TP reduction of kv's gradient does) equal the unfused
+attention run whole in one process."""
+
+import torch
+
+from glm5_bridge.attention.topk import flat_starts_thd, select_topk
+from glm5_bridge.attention.unfused import sparse_mla
+from glm5_bridge.distributed import run_local_ranks
+
+
+def _inputs(total, heads):
+    g = torch.Generator().manual_seed(total + heads)
+    q = torch.randn(total, heads, 24, generator=g, dtype=torch.float64)
+    kv = torch.randn(total, 24, generator=g, dtype=torch.float64)
+    starts = flat_starts_thd(torch.tensor(sorted({0, min(7, total), total // 2, total})), total)
+    topk = select_topk(torch.randn(total, 2, 8, generator=g), torch.randn(total, 8, generator=g),
+                       torch.randn(total, 2, generator=g), starts, 6)
+    dout = torch.randn(total, heads, 16, generator=g, dtype=torch.float64)
+    return q, kv, topk, dout
+
+
+def _backend(q, kv, topk, scale, v_dim, *, packed):
+    return sparse_mla(q, kv, topk, scale, v_dim)
+
+
+def _rank(rank, world, total, heads):
+    from glm5_bridge.attention.token_parallel import attend
+
+    q, kv, topk, dout = _inputs(total, heads)
+    local = heads // world
+    mine = slice(rank * local, (rank + 1) * local)
+    q_mine, kv_mine = q[:, mine].clone().requires_grad_(), kv.clone().requires_grad_()
+    out = attend(_backend, q_mine, kv_mine, topk, 0.3, 16, packed=True, group=torch.distributed.group.WORLD)
+    out.backward(dout[:, mine])
+    dkv = kv_mine.grad.clone()
+    torch.distributed.all_reduce(dkv)  # the TP reduction of kv's gradient
+    return out.detach(), q_mine.grad, dkv
+
+
+def test_token_split_attention_equals_the_whole_attention():
+    for world, total, heads in [(2, 45, 4), (3, 40, 6), (2, 3, 2)]:  # (2, 3): fewer rows than chunks
+        q, kv, topk, dout = _inputs(total, heads)
+        q, kv = q.requires_grad_(), kv.requires_grad_()
+        out = sparse_mla(q, kv, topk, 0.3, 16)
+        out.backward(dout)
+        local = heads // world
+        for rank, (o, dq, dkv) in enumerate(run_local_ranks(_rank, world, total, heads)):
+            mine = slice(rank * local, (rank + 1) * local)
+            assert torch.allclose(o, out.detach()[:, mine], atol=1e-12), (world, total, rank)
+            assert torch.allclose(dq, q.grad[:, mine], atol=1e-12), (world, total, rank)
+            assert torch.allclose(dkv, kv.grad, atol=1e-12), (world, total, rank)
