@@ -12,12 +12,11 @@ attends all heads of 1/TP of the query tokens:
     out --all-to-all--> [T, H/P, 512] (heads split again, for W_UV and o_proj)
 
 Every rank already holds the full kv [T, 576] and the same top-k [T, K] (computed by the duplicated
-kv_a path and the indexer). Rows go in 2P chunks, rank r taking chunks r and 2P−1−r, so under the
-causal mask every rank attends about the same number of (query, key) pairs (as
-attention/topk.select_topk_split). Gradients: the all-to-alls' backward is the reverse all-to-all;
-each rank's dkv is a partial sum (its rows, all heads) where with heads split it was another one
-(all rows, its heads); either way the ranks' partials add up to dkv, which megatron's existing TP
-reduction of kv's gradient does.
+kv_a path and the indexer). A rank's rows are its share of attention/topk.row_order (2 of 2P
+chunks, balanced under the causal mask, as the indexer's split uses). Gradients: the all-to-alls'
+backward is the reverse all-to-all; each rank's dkv is a partial sum (its rows, all heads) where
+with heads split it was another one (all rows, its heads); either way the ranks' partials add up
+to dkv, which megatron's existing TP reduction of kv's gradient does.
 """
 
 from __future__ import annotations
@@ -25,14 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def row_order(total: int, parts: int, device) -> tuple[torch.Tensor, int]:
-    """(order, chunk): the 2·parts·chunk padded rows listed rank by rank (rank r: chunks r and
-    2·parts−1−r), and the chunk length; indices ≥ total are padding rows."""
-    chunk = -(-total // (2 * parts))
-    starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
-    order = torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in starts])
-    return order, chunk
+from glm5_bridge.attention.topk import row_order
 
 
 def _heads_to_tokens(x: torch.Tensor, order: torch.Tensor, group) -> torch.Tensor:

@@ -60,17 +60,26 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
     return out
 
 
+def row_order(total: int, parts: int, device=None) -> tuple[torch.Tensor, int]:
+    """How tensor-parallel ranks share T query rows: (order, chunk). The rows are padded to 2·parts
+    chunks of `chunk` rows and rank r takes chunks r and 2·parts−1−r, so under the causal mask every
+    rank gets about the same number of (query, key) pairs; `order` lists the padded rows rank by
+    rank (rank r's are order[2·chunk·r : 2·chunk·(r+1)]; values ≥ T are padding)."""
+    chunk = -(-total // (2 * parts))
+    starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in starts]), chunk
+
+
 def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.Tensor:
     """`select` (a select_topk) with the query rows split across the ranks of `group` (tensor
     parallel), then all-gathered: every rank holds the same q, k and weights (megatron-core
-    replicates the DSA indexer) and returns the same [T, topk], but scores only 1/P of the rows.
-    Rows go in 2P chunks, rank r taking chunks r and 2P−1−r, so under the causal mask every rank
-    scores about the same number of (query, key) pairs."""
+    replicates the DSA indexer) and returns the same [T, topk], but scores only its rows of
+    `row_order` (1/P of them, balanced under the causal mask)."""
     parts = group.size() if group is not None and torch.distributed.is_initialized() else 1
     if parts == 1:
         return select(q, k, weights, starts, topk)
     rank, total = group.rank(), k.shape[0]
-    chunk = -(-total // (2 * parts))
+    order, chunk = row_order(total, parts, k.device)
     # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
     mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
     for i, c in enumerate((rank, 2 * parts - 1 - rank)):
@@ -80,9 +89,7 @@ def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.
     gathered = [torch.empty_like(mine) for _ in range(parts)]
     torch.distributed.all_gather(gathered, mine, group=group)
     out = torch.empty((2 * parts * chunk, topk), dtype=torch.int64, device=k.device)
-    for r, got in enumerate(gathered):
-        for i, c in enumerate((r, 2 * parts - 1 - r)):
-            out[c * chunk:(c + 1) * chunk] = got[i * chunk:(i + 1) * chunk]
+    out[order] = torch.cat(gathered).long()
     return out[:total]
 
 
