@@ -98,8 +98,8 @@ def rel(a, b):
 
 
 def pad_heads(x, heads):
-    """[T, H, D] → [T, heads, D], the extra heads zero (what the autograd path feeds the kernels)."""
-    return torch.nn.functional.pad(x, (0, 0, 0, heads - x.shape[1])).contiguous()
+    """[T, H, D] → [T, heads, D], the extra heads zero: the autograd path's padding."""
+    return iface._pad_heads(x, heads)[0]
 
 
 def upstream_mods():

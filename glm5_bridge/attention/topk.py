@@ -60,13 +60,18 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
     return out
 
 
+def rank_chunks(rank: int, parts: int) -> tuple[int, int]:
+    """The two of 2·parts row chunks TP rank `rank` takes: an early and a late one, so under the
+    causal mask every rank gets about the same number of (query, key) pairs."""
+    return rank, 2 * parts - 1 - rank
+
+
 def row_order(total: int, parts: int, device=None) -> tuple[torch.Tensor, int]:
     """How tensor-parallel ranks share T query rows: (order, chunk). The rows are padded to 2·parts
-    chunks of `chunk` rows and rank r takes chunks r and 2·parts−1−r, so under the causal mask every
-    rank gets about the same number of (query, key) pairs; `order` lists the padded rows rank by
-    rank (rank r's are order[2·chunk·r : 2·chunk·(r+1)]; values ≥ T are padding)."""
+    chunks of `chunk` rows, each rank taking its `rank_chunks`; `order` lists the padded rows rank
+    by rank (rank r's are order[2·chunk·r : 2·chunk·(r+1)]; values ≥ T are padding)."""
     chunk = -(-total // (2 * parts))
-    starts = [c for r in range(parts) for c in (r, 2 * parts - 1 - r)]
+    starts = [c for r in range(parts) for c in rank_chunks(r, parts)]
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in starts]), chunk
 
 
@@ -82,7 +87,7 @@ def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.
     order, chunk = row_order(total, parts, k.device)
     # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
     mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
-    for i, c in enumerate((rank, 2 * parts - 1 - rank)):
+    for i, c in enumerate(rank_chunks(rank, parts)):
         a, b = min(c * chunk, total), min((c + 1) * chunk, total)
         if b > a:
             mine[i * chunk:i * chunk + b - a] = select(q, k, weights, starts, topk, rows=(a, b))

@@ -146,9 +146,9 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
                 select=None) -> torch.Tensor:
     """attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded; rows=(a, b):
     queries a … b−1 only) with the scores from our kernel; non-bf16 or CPU inputs go to the torch
-    version unchanged. `kernel`
-    replaces the score kernel (reference_logits_kernel runs this host code on the CPU); `select`
-    replaces the selection (default: our radix select on the GPU, `torch_select` with `kernel`)."""
+    version unchanged. `kernel` replaces the score kernel (reference_logits_kernel runs this host
+    code on the CPU); `select` replaces the selection (default: our radix select on the GPU,
+    `torch_select` with `kernel`)."""
     from glm5_bridge.attention import topk as torch_topk
     from glm5_bridge.kernels import radix_topk
 

@@ -28,8 +28,9 @@ ROW_TILE = 64  # the sparse-MLA kernels' row tile: min(H, 64) heads per CTA, or 
 def token_group(heads: int) -> int:
     """Tokens per CTA of the sparse-MLA kernels below 64-head blocks (the forward's simple_kernel,
     the fused backward): 64 // heads neighbouring tokens (8 heads: 8, 16 heads: 4, 32 heads: 2)
-    whose (token, head) rows fill the 64-row tiles and who walk the union of their slots, so a key they share is
-    gathered once (and, backward, its dKV row summed over them before one add); 1 from 64 up."""
+    whose (token, head) rows fill the 64-row tiles and who walk the union of their slots, so a key
+    they share is gathered once (and, backward, its dKV row summed over them before one add); 1
+    from 64 up."""
     return ROW_TILE // heads if heads < ROW_TILE else 1
 
 

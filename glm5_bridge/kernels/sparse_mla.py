@@ -247,10 +247,9 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
     Parts: ours ("fwd", "bwd", "delta", "slots"), upstream ("fwd", "delta", "bwd", "post", "slots"; "slots"
     is ours in both: kernel_indices' reordering, slot_order.py); default all."""
     kernels = kernels or default_kernels()
-    kp, scale = kernel_topk(topk), float(softmax_scale)
-    hk = kernel_heads(heads, MIN_HEADS if kernels == "ours" else UPSTREAM_MIN_HEADS)
+    ops = ours_ops() if kernels == "ours" else upstream_ops()  # also the import checks
+    hk, kp, scale = kernel_heads(heads, ops.min_heads), kernel_topk(topk), float(softmax_scale)
     if kernels == "ours":
-        require_tilelang()
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
@@ -258,7 +257,6 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
                     "bwd": lambda: sparse_mla_bwd.compile_bwd(hk, kp, scale, name),
                     "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:
-        upstream_ops()
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 
