@@ -9,7 +9,10 @@
              64/P heads over all T tokens) against "tokens_split" (attention/token_parallel.attend:
              all heads of 1/P of the tokens, two all-to-alls each way).
 
+  dense      (with --emulate) the rank's dense bar: causal SDPA at 64/P heads, head dim 256.
+
     torchrun --nproc-per-node 8 benchmarks/bench_tp.py [--parts indexer,attention] [--seqs 8192,16384] [--out f.json]
+    python3 benchmarks/bench_tp.py --emulate 2,4,8     # one GPU: every rank's compute, no wire
 
 Same random inputs on every rank (seeded). Rank 0 prints one `RESULT {json}` line per (part, S,
 variant) and writes them to --out: per repetition the slowest rank's time (a TP layer waits for it),
@@ -17,6 +20,14 @@ then the median and spread over repetitions. Checks: `same_topk` (split = replic
 attention the largest relative difference of the tokens-split output from the heads-split one.
 Without a GPU it runs on the CPU over gloo (torch indexer, unfused attention at small dims): a smoke
 test of the script, not a timing.
+
+--emulate P,...: one process on one GPU plays each rank r of P in turn, in torch's "fake" process
+group (torch.testing._internal.distributed.fake_pg: a collective copies locally, nothing crosses a
+wire), so each rank's kernels and copies run exactly as on P GPUs while the collectives cost
+nothing. Rows then carry the rank's time; `wire_bytes` is what the rank's collectives would move
+(received bytes), and the "per_rank" rows add it at --link-gbs as an estimate, marked as such,
+against the slowest rank's compute and the rank's dense bar. The baselines (replicated indexer,
+heads split) do the same work on every rank, so they run as rank 0 only.
 """
 
 import argparse
@@ -54,7 +65,17 @@ def timed(fn, reps, device, group):
     return round(statistics.median(t), 3), round(max(t) - min(t), 3)
 
 
-def bench_indexer(s, device, group, reps):
+def wire_bytes(part, s, parts, heads=64):
+    """Bytes one rank receives in its collectives: the split indexer's all-gather of int32 top-k
+    rows; the tokens-split attention's all-to-alls, fwd (q in, out back) and bwd (their grads)."""
+    chunk = -(-s // (2 * parts))
+    if part == "indexer":
+        return (parts - 1) * 2 * chunk * TOPK * 4
+    one_way = (parts - 1) * 2 * chunk * (heads // parts) * 2  # bf16 elements of P−1 peers' blocks, per channel
+    return {"fwd": one_way * (576 + 512), "fwd_bwd": 2 * one_way * (576 + 512)}
+
+
+def bench_indexer(s, device, group, reps, baseline=True):
     heads, dim = 32, 128
     gen = torch.Generator(device=device).manual_seed(s)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -64,13 +85,18 @@ def bench_indexer(s, device, group, reps):
     starts = torch.zeros(s, dtype=torch.int64, device=device)
     variants = {"replicated": lambda: indexer.select_topk(q, k, w, starts, TOPK),
                 "split": lambda: select_topk_split(indexer.select_topk, q, k, w, starts, TOPK, group)}
-    same = torch.equal(*(v().sort(1).values for v in variants.values()))
+    exchanged = dist.get_backend(group) != "fake"  # a fake group's collectives copy locally
+    same = torch.equal(*(v().sort(1).values for v in variants.values())) if baseline and exchanged else None
     for name, fn in variants.items():
+        if name == "replicated" and not baseline:
+            continue
         ms, spread = timed(fn, reps, device, group)
-        yield dict(part="indexer", impl=name, S=s, heads=heads, dim=dim, ms=ms, spread_ms=spread, same_topk=same)
+        wire = wire_bytes("indexer", s, group.size()) if name == "split" else 0
+        yield dict(part="indexer", impl=name, S=s, heads=heads, dim=dim, ms=ms, spread_ms=spread, same_topk=same,
+                   wire_bytes=wire)
 
 
-def bench_attention(s, device, group, reps):
+def bench_attention(s, device, group, reps, baseline=True):
     parts, rank = group.size(), group.rank()
     heads, d, v = (64, 576, 512) if device == "cuda" else (4 * parts, 40, 32)
     backend = backends.get_backend("tilelang" if device == "cuda" else "megatron")
@@ -91,6 +117,8 @@ def bench_attention(s, device, group, reps):
 
     outs = {}
     for name, fn in (("heads_split", heads_split), ("tokens_split", tokens_split)):
+        if name == "heads_split" and not baseline:
+            continue
         outs[name] = fn().detach().float()
 
         def step(fn=fn):
@@ -99,11 +127,87 @@ def bench_attention(s, device, group, reps):
 
         fwd_ms, fwd_spread = timed(lambda fn=fn: fn().detach(), reps, device, group)
         step_ms, step_spread = timed(step, reps, device, group)
+        wire = wire_bytes("attention", s, parts, heads) if name == "tokens_split" else {"fwd": 0, "fwd_bwd": 0}
         yield dict(part="attention", impl=name, S=s, heads=heads, heads_per_rank=heads // parts, fwd_ms=fwd_ms,
-                   fwd_spread_ms=fwd_spread, fwd_bwd_ms=step_ms, fwd_bwd_spread_ms=step_spread)
+                   fwd_spread_ms=fwd_spread, fwd_bwd_ms=step_ms, fwd_bwd_spread_ms=step_spread,
+                   wire_bytes=wire["fwd_bwd"], fwd_wire_bytes=wire["fwd"])
+    if len(outs) < 2 or dist.get_backend(group) == "fake":  # a fake group's all-to-alls did not exchange
+        return
     diff = (outs["tokens_split"] - outs["heads_split"]).norm() / outs["heads_split"].norm()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
     yield dict(part="attention_check", S=s, tokens_vs_heads_split_rel=round(diff.item(), 6))
+
+
+def bench_dense(s, device, group, reps, heads=64, dim=256):
+    """The rank's dense bar: causal SDPA fwd + bwd at its 64/P heads, head dim 256 (bench_dsa's)."""
+    import torch.nn.functional as F
+
+    h = heads // group.size()
+    q, k, v = (torch.randn(1, h, s, dim, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    do = torch.randn(1, h, s, dim, device=device, dtype=torch.bfloat16)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+
+    ms, spread = timed(step, reps, device, group)
+    yield dict(part="dense", impl="sdpa", S=s, heads_per_rank=h, dim=dim, fwd_bwd_ms=ms, fwd_bwd_spread_ms=spread)
+
+
+PARTS = {"indexer": bench_indexer, "attention": bench_attention, "dense": bench_dense}
+
+
+def emulate(parts_list, seqs, ranks_list, reps, link_gbs):
+    """--emulate: every rank r of each P in turn on this GPU, over the fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    rows = []
+    for parts in ranks_list:
+        for rank in range(parts):
+            dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
+            for s in seqs:
+                for part in parts_list:
+                    if part == "dense" and rank > 0:
+                        continue
+                    extra = {} if part == "dense" else {"baseline": rank == 0}
+                    for row in PARTS[part](s, device, dist.group.WORLD, reps, **extra):
+                        row = dict(kind="bench_tp_emulated", tp=parts, rank=rank, device=name, **row)
+                        rows.append(row)
+                        print("RESULT " + json.dumps(row), flush=True)
+            dist.destroy_process_group()
+    rows += per_rank_summary(rows, link_gbs)
+    return rows
+
+
+def per_rank_summary(rows, link_gbs):
+    """Per (S, P): the slowest rank's indexer + attention fwd + bwd, before (replicated indexer, heads
+    split) and after (split indexer, tokens split; + its collectives' bytes at link_gbs, an
+    estimate), against the rank's dense bar."""
+    out = []
+    for s, parts in sorted({(r["S"], r["tp"]) for r in rows}):
+        def worst(part, impl, key):
+            got = [r[key] for r in rows if (r["S"], r["tp"], r["part"], r["impl"]) == (s, parts, part, impl)]
+            return max(got) if got else None
+
+        replicated = worst("indexer", "replicated", "ms")
+        parts_ms = dict(index_split=worst("indexer", "split", "ms"), heads_split=worst("attention", "heads_split", "fwd_bwd_ms"),
+                        tokens_split=worst("attention", "tokens_split", "fwd_bwd_ms"), dense=worst("dense", "sdpa", "fwd_bwd_ms"))
+        if replicated is None or None in parts_ms.values():
+            continue
+        wire = worst("indexer", "split", "wire_bytes") + worst("attention", "tokens_split", "wire_bytes")
+        wire_ms = wire / (link_gbs * 1e9) * 1e3
+        before = replicated + parts_ms["heads_split"]
+        after = parts_ms["index_split"] + parts_ms["tokens_split"]
+        row = dict(kind="per_rank", S=s, tp=parts, heads_per_rank=64 // parts, before_ms=round(before, 3),
+                   after_compute_ms=round(after, 3), wire_bytes=wire, link_gbs=link_gbs,
+                   wire_ms_estimate=round(wire_ms, 3), after_ms_estimate=round(after + wire_ms, 3),
+                   dense_ms=parts_ms["dense"], **{f"{k}_ms": v for k, v in parts_ms.items() if k != "dense"},
+                   indexer_replicated_ms=replicated)
+        out.append(row)
+        print("RESULT " + json.dumps(row), flush=True)
+    return out
 
 
 def main():
@@ -112,16 +216,25 @@ def main():
     ap.add_argument("--seqs", default="8192,16384")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_tp.json"))
+    ap.add_argument("--emulate", default="", help="P,...: play every rank of P on this one GPU (no wire)")
+    ap.add_argument("--link-gbs", type=float, default=350.0,
+                    help="--emulate's assumed all-to-all / all-gather bandwidth per GPU, GB/s")
     a = ap.parse_args()
+    seqs = [int(x) for x in a.seqs.split(",")]
+    if a.emulate:
+        rows = emulate(a.parts.split(","), seqs, [int(x) for x in a.emulate.split(",")], a.reps, a.link_gbs)
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     group = dist.group.WORLD
     rows = []
-    for s in (int(x) for x in a.seqs.split(",")):
+    for s in seqs:
         for part in a.parts.split(","):
-            for row in {"indexer": bench_indexer, "attention": bench_attention}[part](s, device, group, a.reps):
+            for row in PARTS[part](s, device, group, a.reps):
                 row = dict(kind="bench_tp", tp=group.size(), device=device, **row)
                 rows.append(row)
                 if group.rank() == 0:

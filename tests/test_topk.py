@@ -121,3 +121,20 @@ def test_tensor_parallel_ranks_split_the_indexer_rows():
             assert torch.equal(got, want), (world, total, rank)
             expect = [(min(c * chunk, total), min((c + 1) * chunk, total)) for c in (rank, 2 * world - 1 - rank)]
             assert calls == [r for r in expect if r[1] > r[0]], (world, total, rank, calls)
+
+
+def test_row_split_moves_each_row_once():
+    """row_split (the index tensors token-parallel attention and the indexer split move rows with):
+    gather reads order's rows (padding reads row T − 1), inverse finds each row's position in
+    order, and pads lists exactly the padding positions; for T that fills the chunks, leaves a
+    short last chunk, or is smaller than 2P."""
+    from glm5_bridge.attention.topk import row_order, row_split
+
+    for total, parts in [(48, 3), (45, 3), (3, 2), (1, 4)]:
+        order, chunk = row_order(total, parts)
+        split = row_split(total, parts, torch.device("cpu"))
+        assert split.chunk == chunk
+        assert torch.equal(split.gather, order.clamp(max=total - 1))
+        assert torch.equal(order[split.inverse], torch.arange(total)), (total, parts)
+        pad_positions = [j for start, stop in split.pads for j in range(start, stop)]
+        assert pad_positions == (order >= total).nonzero().flatten().tolist(), (total, parts)

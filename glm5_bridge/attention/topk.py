@@ -8,6 +8,9 @@ starts[t] <= s <= t. Top-k indices are flat indices, −1 where a slot is unused
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
 # Rows of queries scored at once: bounds the [rows, T] fp32 score block to rows·T·4 bytes.
@@ -75,6 +78,27 @@ def row_order(total: int, parts: int, device=None) -> tuple[torch.Tensor, int]:
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in starts]), chunk
 
 
+class RowSplit(NamedTuple):
+    """`row_order` as the index tensors the TP row split moves data with, one pass each way."""
+    chunk: int
+    gather: torch.Tensor  # [2·parts·chunk]: order with padding clamped to T − 1 (index_select's index)
+    inverse: torch.Tensor  # [T]: the position of row t in order
+    pads: tuple[tuple[int, int], ...]  # [start, stop) position ranges of order that are padding
+
+
+@functools.lru_cache(maxsize=32)  # every DSA layer of a micro-batch asks for the same T
+def row_split(total: int, parts: int, device) -> RowSplit:
+    """row_order(total, parts) as a RowSplit on `device` (cached: callers must not modify it)."""
+    order, chunk = row_order(total, parts, device)
+    inverse = torch.empty(total, dtype=torch.int64, device=device)
+    valid = order < total
+    inverse[order[valid]] = torch.arange(order.numel(), device=device)[valid]
+    starts = [c for r in range(parts) for c in rank_chunks(r, parts)]
+    pads = tuple((i * chunk + max(0, min(chunk, total - c * chunk)), (i + 1) * chunk)
+                 for i, c in enumerate(starts) if (c + 1) * chunk > total)
+    return RowSplit(chunk, order.clamp(max=total - 1), inverse, pads)
+
+
 def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.Tensor:
     """`select` (a select_topk) with the query rows split across the ranks of `group` (tensor
     parallel), then all-gathered: every rank holds the same q, k and weights (megatron-core
@@ -84,18 +108,17 @@ def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.
     if parts == 1:
         return select(q, k, weights, starts, topk)
     rank, total = group.rank(), k.shape[0]
-    order, chunk = row_order(total, parts, k.device)
+    split = row_split(total, parts, k.device)
+    chunk = split.chunk
     # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
     mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
     for i, c in enumerate(rank_chunks(rank, parts)):
         a, b = min(c * chunk, total), min((c + 1) * chunk, total)
         if b > a:
             mine[i * chunk:i * chunk + b - a] = select(q, k, weights, starts, topk, rows=(a, b))
-    gathered = [torch.empty_like(mine) for _ in range(parts)]
-    torch.distributed.all_gather(gathered, mine, group=group)
-    out = torch.empty((2 * parts * chunk, topk), dtype=torch.int64, device=k.device)
-    out[order] = torch.cat(gathered).long()
-    return out[:total]
+    gathered = torch.empty((parts * 2 * chunk, topk), dtype=torch.int32, device=k.device)
+    torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
+    return gathered.index_select(0, split.inverse).long()
 
 
 def check_topk(topk: torch.Tensor, starts: torch.Tensor) -> None:
