@@ -7,8 +7,7 @@
   attention  sparse MLA fwd + bwd at GLM-5 dims (64 heads in all, q/kv 576, v 512, random causal
              top-k 2048) on the "tilelang" backend: "heads_split" (megatron's layout: each rank its
              64/P heads over all T tokens) against "tokens_split" (attention/token_parallel.attend:
-             all heads of 1/P of the tokens, two all-to-alls each way).
-
+             all heads of one row_bounds range of the tokens, two all-to-alls each way).
   dense      (with --emulate) the rank's dense bar: causal SDPA at 64/P heads, head dim 256.
 
     torchrun --nproc-per-node 8 benchmarks/bench_tp.py [--parts indexer,attention] [--seqs 8192,16384] [--out f.json]
@@ -50,7 +49,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge's attention and kernels
 from timing import times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from glm5_bridge.attention import backends, token_parallel  # noqa: E402
-from glm5_bridge.attention.topk import select_topk_split  # noqa: E402
+from glm5_bridge.attention.topk import row_bounds, select_topk_split  # noqa: E402
 from glm5_bridge.kernels import indexer  # noqa: E402
 from glm5_bridge.kernels.reference import random_causal_topk  # noqa: E402
 
@@ -65,14 +64,19 @@ def timed(fn, reps, device, group):
     return round(statistics.median(t), 3), round(max(t) - min(t), 3)
 
 
-def wire_bytes(part, s, parts, heads=64):
-    """Bytes one rank receives in its collectives: the split indexer's all-gather of int32 top-k
-    rows; the tokens-split attention's all-to-alls, fwd (q in, out back) and bwd (their grads)."""
-    chunk = -(-s // (2 * parts))
+def wire_bytes(part, s, parts, rank, heads=64):
+    """Bytes rank `rank` receives in its collectives for one sequence of s tokens: the split
+    indexer's all-gather of int32 top-k rows (2 chunks from each other rank); the tokens-split
+    attention's all-to-alls, fwd (q of its rows in, out of the others' rows back) and bwd (their
+    gradients)."""
     if part == "indexer":
-        return (parts - 1) * 2 * chunk * TOPK * 4
-    one_way = (parts - 1) * 2 * chunk * (heads // parts) * 2  # bf16 elements of P−1 peers' blocks, per channel
-    return {"fwd": one_way * (576 + 512), "fwd_bwd": 2 * one_way * (576 + 512)}
+        return (parts - 1) * 2 * -(-s // (2 * parts)) * TOPK * 4
+    bounds = row_bounds((s,), parts, TOPK)
+    mine = bounds[rank + 1] - bounds[rank]
+    one_way = (parts - 1) * mine * 576 + (s - mine) * 512  # bf16 elements × heads per rank, fwd
+    fwd = one_way * (heads // parts) * 2
+    back = ((parts - 1) * mine * 512 + (s - mine) * 576) * (heads // parts) * 2
+    return {"fwd": fwd, "fwd_bwd": fwd + back}
 
 
 def bench_indexer(s, device, group, reps, baseline=True):
@@ -91,7 +95,7 @@ def bench_indexer(s, device, group, reps, baseline=True):
         if name == "replicated" and not baseline:
             continue
         ms, spread = timed(fn, reps, device, group)
-        wire = wire_bytes("indexer", s, group.size()) if name == "split" else 0
+        wire = wire_bytes("indexer", s, group.size(), group.rank()) if name == "split" else 0
         yield dict(part="indexer", impl=name, S=s, heads=heads, dim=dim, ms=ms, spread_ms=spread, same_topk=same,
                    wire_bytes=wire)
 
@@ -113,7 +117,7 @@ def bench_attention(s, device, group, reps, baseline=True):
         return backend(q, kv, topk, SCALE, v, packed=True)
 
     def tokens_split():
-        return token_parallel.attend(backend, q, kv, topk, SCALE, v, packed=True, group=group)
+        return token_parallel.attend(backend, q, kv, topk, SCALE, v, packed=True, group=group, lengths=(s,))
 
     outs = {}
     for name, fn in (("heads_split", heads_split), ("tokens_split", tokens_split)):
@@ -127,7 +131,7 @@ def bench_attention(s, device, group, reps, baseline=True):
 
         fwd_ms, fwd_spread = timed(lambda fn=fn: fn().detach(), reps, device, group)
         step_ms, step_spread = timed(step, reps, device, group)
-        wire = wire_bytes("attention", s, parts, heads) if name == "tokens_split" else {"fwd": 0, "fwd_bwd": 0}
+        wire = wire_bytes("attention", s, parts, rank, heads) if name == "tokens_split" else {"fwd": 0, "fwd_bwd": 0}
         yield dict(part="attention", impl=name, S=s, heads=heads, heads_per_rank=heads // parts, fwd_ms=fwd_ms,
                    fwd_spread_ms=fwd_spread, fwd_bwd_ms=step_ms, fwd_bwd_spread_ms=step_spread,
                    wire_bytes=wire["fwd_bwd"], fwd_wire_bytes=wire["fwd"])

@@ -5,18 +5,22 @@ attention run whole in one process."""
 
 import torch
 
-from glm5_bridge.attention.topk import flat_starts_thd, select_topk
+from glm5_bridge.attention.topk import flat_starts, select_topk
 from glm5_bridge.attention.unfused import sparse_mla
 from glm5_bridge.distributed import run_local_ranks
+
+
+def _lengths(total):  # three packed sequences (fewer when total is tiny)
+    cu = sorted({0, min(7, total), total // 2, total})
+    return tuple(b - a for a, b in zip(cu, cu[1:]))
 
 
 def _inputs(total, heads):
     g = torch.Generator().manual_seed(total + heads)
     q = torch.randn(total, heads, 24, generator=g, dtype=torch.float64)
     kv = torch.randn(total, 24, generator=g, dtype=torch.float64)
-    starts = flat_starts_thd(torch.tensor(sorted({0, min(7, total), total // 2, total})), total)
     topk = select_topk(torch.randn(total, 2, 8, generator=g), torch.randn(total, 8, generator=g),
-                       torch.randn(total, 2, generator=g), starts, 6)
+                       torch.randn(total, 2, generator=g), flat_starts(_lengths(total), "cpu"), 6)
     dout = torch.randn(total, heads, 16, generator=g, dtype=torch.float64)
     return q, kv, topk, dout
 
@@ -32,7 +36,8 @@ def _rank(rank, world, total, heads):
     local = heads // world
     mine = slice(rank * local, (rank + 1) * local)
     q_mine, kv_mine = q[:, mine].clone().requires_grad_(), kv.clone().requires_grad_()
-    out = attend(_backend, q_mine, kv_mine, topk, 0.3, 16, packed=True, group=torch.distributed.group.WORLD)
+    out = attend(_backend, q_mine, kv_mine, topk, 0.3, 16, packed=True, group=torch.distributed.group.WORLD,
+                 lengths=_lengths(total))
     out.backward(dout[:, mine])
     dkv = kv_mine.grad.clone()
     torch.distributed.all_reduce(dkv)  # the TP reduction of kv's gradient
@@ -40,7 +45,7 @@ def _rank(rank, world, total, heads):
 
 
 def test_token_split_attention_equals_the_whole_attention():
-    for world, total, heads in [(2, 45, 4), (3, 40, 6), (2, 3, 2)]:  # (2, 3): fewer rows than chunks
+    for world, total, heads in [(2, 45, 4), (3, 40, 6), (2, 3, 2), (3, 2, 3)]:  # (3, 2): a rank without rows
         q, kv, topk, dout = _inputs(total, heads)
         q, kv = q.requires_grad_(), kv.requires_grad_()
         out = sparse_mla(q, kv, topk, 0.3, 16)

@@ -123,18 +123,20 @@ def test_tensor_parallel_ranks_split_the_indexer_rows():
             assert calls == [r for r in expect if r[1] > r[0]], (world, total, rank, calls)
 
 
-def test_row_split_moves_each_row_once():
-    """row_split (the index tensors token-parallel attention and the indexer split move rows with):
-    gather reads order's rows (padding reads row T − 1), inverse finds each row's position in
-    order, and pads lists exactly the padding positions; for T that fills the chunks, leaves a
-    short last chunk, or is smaller than 2P."""
-    from glm5_bridge.attention.topk import row_order, row_split
+def test_row_bounds_balance_the_cost():
+    """row_bounds against the cost summed query by query: P contiguous ranges covering the rows
+    in order, each within one query's cost of 1/P of the total (a query at position p costs p + 1,
+    or min(p + 1, cap)), for one long sequence, packed ones, and fewer rows than ranks."""
+    from glm5_bridge.attention.topk import row_bounds
 
-    for total, parts in [(48, 3), (45, 3), (3, 2), (1, 4)]:
-        order, chunk = row_order(total, parts)
-        split = row_split(total, parts, torch.device("cpu"))
-        assert split.chunk == chunk
-        assert torch.equal(split.gather, order.clamp(max=total - 1))
-        assert torch.equal(order[split.inverse], torch.arange(total)), (total, parts)
-        pad_positions = [j for start, stop in split.pads for j in range(start, stop)]
-        assert pad_positions == (order >= total).nonzero().flatten().tolist(), (total, parts)
+    for lengths in [(8192,), (1000, 3000, 5, 4187), (2,), (7, 0, 9)]:
+        for parts in (2, 3, 8):
+            for cap in (None, 2048, 4):
+                cost = [min(p + 1, cap or p + 1) for n in lengths for p in range(n)]
+                bounds = row_bounds(lengths, parts, cap)
+                assert bounds[0] == 0 and bounds[-1] == len(cost) and list(bounds) == sorted(bounds)
+                share = sum(cost) / parts
+                for a, b in zip(bounds, bounds[1:]):
+                    assert abs(sum(cost[a:b]) - share) <= max(cost), (lengths, parts, cap, bounds)
+    # one 8K sequence, top-k 2048, TP 2: the capped cost moves the boundary past the middle
+    assert row_bounds((8192,), 2, 2048) == (0, 4608, 8192)

@@ -22,7 +22,7 @@ from megatron.core.utils import get_pg_size
 from glm5_bridge import replay
 from glm5_bridge.attention import index_share, token_parallel
 from glm5_bridge.attention.backends import get_backend, topk_selector
-from glm5_bridge.attention.topk import flat_starts_bshd, flat_starts_thd, select_topk_split
+from glm5_bridge.attention.topk import flat_starts, select_topk_split, sequence_lengths
 from glm5_bridge.config import topk_source_layers
 
 
@@ -72,17 +72,18 @@ class SparseMLACoreAttention(MegatronModule):
             q_flat, kv_flat = query, key.reshape(key.shape[0], key.shape[-1])
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            starts = flat_starts_thd(cu.to(query.device), q_flat.shape[0])
+            lengths = sequence_lengths(cu, q_flat.shape[0])  # one host read per layer
         else:
             sq, b = query.shape[:2]
             q_flat = query.transpose(0, 1).reshape(b * sq, *query.shape[2:])
             kv_flat = key.transpose(0, 1).reshape(b * sq, key.shape[-1])
-            starts = flat_starts_bshd(sq, b, query.device)
+            lengths = (sq,) * b
+        starts = flat_starts(lengths, query.device)
 
         topk = self._topk(x, qr, starts, packed, packed_seq_params, attention_mask, position_ids)
         if self.token_parallel:  # all heads of this rank's tokens, then back to its heads
             out = token_parallel.attend(self.backend, q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
-                                        packed=packed, group=self.pg_collection.tp)
+                                        packed=packed, group=self.pg_collection.tp, lengths=lengths)
         else:
             out = self.backend(q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
                                packed=packed)  # [T, H, 512]

@@ -5,8 +5,8 @@ Megatron splits attention heads across the TP ranks. In absorbed MLA with DSA a 
 one gathered 576-wide key row per selected key and one fp32 dKV row, so with heads split every rank
 pays those per-key costs in full for 1/TP of the heads (docs/kernels.md, run AU: at 8K a TP 8 rank's
 sparse path took 8.6 ms where dense attention at its 8 heads took 2.3). Here each rank instead
-attends all heads of 1/TP of the query tokens (runs AV–AY, every rank emulated on one H100: a TP 8
-rank's attention fwd + bwd 3.7 / 7.2 ms at 8K / 16K against 6.7 / 20.3 with heads split, before the
+attends all heads of 1/TP of the query tokens (runs AV–BA, every rank emulated on one H100: a TP 8
+rank's attention fwd + bwd 3.8 / 7.5 ms at 8K / 16K against 6.8 / 20.2 with heads split, before the
 all-to-alls' wire time):
 
     q [T, H/P, 576] (heads split) --all-to-all--> [rows, H, 576] (tokens split)
@@ -14,8 +14,9 @@ all-to-alls' wire time):
     out --all-to-all--> [T, H/P, 512] (heads split again, for W_UV and o_proj)
 
 Every rank already holds the full kv [T, 576] and the same top-k [T, K] (computed by the duplicated
-kv_a path and the indexer). A rank's rows are its share of attention/topk.row_order (2 of 2P
-chunks, balanced under the causal mask, as the indexer's split uses). Gradients: the all-to-alls'
+kv_a path and the indexer). A rank's rows are one contiguous range (attention/topk.row_bounds,
+equal min(p + 1, K) work per range), so x goes out as it lies and comes back in row order: each
+direction copies once, for the head/row transpose. Gradients: the all-to-alls'
 backward is the reverse all-to-all; each rank's dkv is a partial sum (its rows, all heads) where
 with heads split it was another one (all rows, its heads); either way the ranks' partials add up
 to dkv, which megatron's existing TP reduction of kv's gradient does.
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from glm5_bridge.attention.topk import RowSplit, row_split
+from glm5_bridge.attention.topk import row_bounds
 
 
 def _transpose01(x: torch.Tensor) -> torch.Tensor:
@@ -38,58 +39,60 @@ def _transpose01(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).contiguous()
 
 
-def _heads_to_tokens(x: torch.Tensor, split: RowSplit, group) -> torch.Tensor:
-    """[T, H/P, D] → [2·chunk, H, D]: this rank's rows, every rank's heads (in rank order)."""
-    parts, rows = group.size(), 2 * split.chunk
-    send = x.index_select(0, split.gather)  # rank-major rows, one pass
-    for start, stop in split.pads:  # padding rows (a copy of row T − 1 so far) go out as zeros
-        send[start:stop] = 0
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # block s: rank s's heads of my rows
+def _heads_to_tokens(x: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """[T, H/P, D] → [sizes[rank], H, D]: this rank's rows, every rank's heads (in rank order)."""
+    parts, rows = group.size(), sizes[rank]
+    recv = x.new_empty(parts * rows, *x.shape[1:])
+    # rank d gets rows [bounds[d], bounds[d+1]) of x as they lie; block s of recv: rank s's heads of my rows
+    dist.all_to_all_single(recv, x.contiguous(), output_split_sizes=[rows] * parts, input_split_sizes=sizes,
+                           group=group)
     return _transpose01(recv.view(parts, rows, *x.shape[1:])).view(rows, parts * x.shape[1], x.shape[2])
 
 
-def _tokens_to_heads(y: torch.Tensor, split: RowSplit, group) -> torch.Tensor:
-    """The inverse of _heads_to_tokens: [2·chunk, H, D] → [T, H/P, D]."""
+def _tokens_to_heads(y: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
+    """The inverse of _heads_to_tokens: [sizes[rank], H, D] → [T, H/P, D]."""
     parts = group.size()
     local = y.shape[1] // parts
-    send = _transpose01(y.view(y.shape[0], parts, local, y.shape[2]))  # block d: rank d's heads
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # block s: my heads of rank s's rows
-    return recv.view(-1, local, y.shape[2]).index_select(0, split.inverse)  # padding rows dropped
+    send = _transpose01(y.view(y.shape[0], parts, local, y.shape[2])).view(-1, local, y.shape[2])  # block d: rank d's heads
+    recv = y.new_empty(sum(sizes), local, y.shape[2])  # block s: my heads of rank s's rows, in row order
+    dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[y.shape[0]] * parts,
+                           group=group)
+    return recv
 
 
 class _HeadsToTokens(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, split, group):
-        ctx.split, ctx.group = split, group
-        return _heads_to_tokens(x, split, group)
+    def forward(ctx, x, sizes, rank, group):
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
+        return _heads_to_tokens(x, sizes, rank, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _tokens_to_heads(grad.contiguous(), ctx.split, ctx.group), None, None
+        return _tokens_to_heads(grad.contiguous(), ctx.sizes, ctx.rank, ctx.group), None, None, None
 
 
 class _TokensToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, split, group):
-        ctx.split, ctx.group = split, group
-        return _tokens_to_heads(y, split, group)
+    def forward(ctx, y, sizes, rank, group):
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
+        return _tokens_to_heads(y, sizes, rank, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_tokens(grad.contiguous(), ctx.split, ctx.group), None, None
+        return _heads_to_tokens(grad.contiguous(), ctx.sizes, ctx.rank, ctx.group), None, None, None
 
 
-def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group) -> torch.Tensor:
+def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths) -> torch.Tensor:
     """backend(q, kv, topk, …) (an attention/backends function) over this rank's tokens with all
-    heads; q [T, H/P, D], kv [T, D], topk [T, K] → [T, H/P, v_dim], as the backend over q would."""
-    split = row_split(q.shape[0], group.size(), q.device)
-    lo, hi = group.rank() * 2 * split.chunk, (group.rank() + 1) * 2 * split.chunk
-    rows_topk = topk.index_select(0, split.gather[lo:hi])
-    for start, stop in split.pads:
-        if lo <= start < hi:
-            rows_topk[start - lo:stop - lo] = -1  # padding rows select no keys
-    q_rows = _HeadsToTokens.apply(q, split, group)
-    out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)
-    return _TokensToHeads.apply(out_rows, split, group)
+    heads; q [T, H/P, D], kv [T, D], topk [T, K], lengths: the sequences' (summing to T) →
+    [T, H/P, v_dim], as the backend over q would."""
+    rank = group.rank()
+    bounds = row_bounds(tuple(lengths), group.size(), cap=topk.shape[1])
+    sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    q_rows = _HeadsToTokens.apply(q, sizes, rank, group)
+    rows_topk = topk[bounds[rank]:bounds[rank + 1]]
+    if not sizes[rank]:  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
+        q_rows = torch.cat([q_rows, q_rows.new_zeros(1, *q_rows.shape[1:])])
+        rows_topk = topk.new_full((1, topk.shape[1]), -1)
+    out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)[:sizes[rank]]
+    return _TokensToHeads.apply(out_rows, sizes, rank, group)

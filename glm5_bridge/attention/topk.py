@@ -9,7 +9,6 @@ starts[t] <= s <= t. Top-k indices are flat indices, −1 where a slot is unused
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 
@@ -17,18 +16,31 @@ import torch
 SCORE_ROW_CHUNK = 2048
 
 
+def sequence_lengths(cu_seqlens: torch.Tensor, total: int) -> tuple[int, ...]:
+    """The packed sequences' lengths from `cu_seqlens` ([n+1], last = total): one host read."""
+    cu = cu_seqlens.tolist()
+    if cu[-1] != total:
+        raise ValueError(f"cu_seqlens ends at {cu[-1]} but the packed batch has {total} tokens")
+    return tuple(b - a for a, b in zip(cu, cu[1:]))
+
+
+def flat_starts(lengths: tuple[int, ...], device) -> torch.Tensor:
+    """starts[t] for sequences of these lengths laid end to end → [Σ lengths] (no host sync)."""
+    firsts = [0]
+    for n in lengths[:-1]:
+        firsts.append(firsts[-1] + n)
+    return torch.tensor(firsts, device=device).repeat_interleave(
+        torch.tensor(lengths, device=device), output_size=sum(lengths))
+
+
 def flat_starts_bshd(seq_len: int, batch: int, device) -> torch.Tensor:
     """starts[t] for b sequences of length s laid out [b, s] → [b·s]."""
-    return (torch.arange(batch, device=device) * seq_len).repeat_interleave(seq_len)
+    return flat_starts((seq_len,) * batch, device)
 
 
 def flat_starts_thd(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """starts[t] for packed sequences with boundaries `cu_seqlens` ([n+1], last = total)."""
-    cu = cu_seqlens.to(torch.int64)
-    if int(cu[-1]) != total:
-        raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed batch has {total} tokens")
-    lengths = cu[1:] - cu[:-1]
-    return cu[:-1].repeat_interleave(lengths)
+    return flat_starts(sequence_lengths(cu_seqlens, total), cu_seqlens.device)
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -63,62 +75,55 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
     return out
 
 
+@functools.lru_cache(maxsize=64)  # every DSA layer of a micro-batch asks for the same split
+def row_bounds(lengths: tuple[int, ...], parts: int, cap: int | None = None) -> tuple[int, ...]:
+    """How P tensor-parallel ranks share the T query rows of sequences of `lengths` laid end to end
+    in token-parallel attention: P contiguous ranges, rank r taking rows [bounds[r], bounds[r + 1]),
+    of about equal cost — a query at position p of its sequence costs min(p + 1, cap) (sparse
+    attention over at most cap selected keys; cap None: p + 1). Boundary i is the first row count
+    whose rows cost at least i/P of the total, so a range is off by at most one query's cost
+    (ranges may be empty when T < P)."""
+    n = torch.tensor(lengths, dtype=torch.int64)
+    total = int(n.sum())
+    if total == 0:
+        return (0,) * (parts + 1)
+    position = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=total)
+    cost = position + 1 if cap is None else (position + 1).clamp(max=cap)
+    cum = torch.cumsum(cost, 0).double()
+    targets = torch.arange(1, parts, dtype=torch.float64) * (cum[-1] / parts)
+    inner = torch.searchsorted(cum, targets) + 1  # rows [0, first t with cum[t] ≥ target]
+    return (0, *inner.clamp(max=total).tolist(), total)
+
+
 def rank_chunks(rank: int, parts: int) -> tuple[int, int]:
-    """The two of 2·parts row chunks TP rank `rank` takes: an early and a late one, so under the
-    causal mask every rank gets about the same number of (query, key) pairs."""
+    """The two of 2·parts equal row chunks TP rank `rank` scores in the indexer split: an early
+    and a late one, so every rank scores about the same number of (query, key) pairs of a causal
+    sequence, and every rank sends the same number of rows (one all_gather_into_tensor)."""
     return rank, 2 * parts - 1 - rank
-
-
-def row_order(total: int, parts: int, device=None) -> tuple[torch.Tensor, int]:
-    """How tensor-parallel ranks share T query rows: (order, chunk). The rows are padded to 2·parts
-    chunks of `chunk` rows, each rank taking its `rank_chunks`; `order` lists the padded rows rank
-    by rank (rank r's are order[2·chunk·r : 2·chunk·(r+1)]; values ≥ T are padding)."""
-    chunk = -(-total // (2 * parts))
-    starts = [c for r in range(parts) for c in rank_chunks(r, parts)]
-    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in starts]), chunk
-
-
-class RowSplit(NamedTuple):
-    """`row_order` as the index tensors the TP row split moves data with, one pass each way."""
-    chunk: int
-    gather: torch.Tensor  # [2·parts·chunk]: order with padding clamped to T − 1 (index_select's index)
-    inverse: torch.Tensor  # [T]: the position of row t in order
-    pads: tuple[tuple[int, int], ...]  # [start, stop) position ranges of order that are padding
-
-
-@functools.lru_cache(maxsize=32)  # every DSA layer of a micro-batch asks for the same T
-def row_split(total: int, parts: int, device) -> RowSplit:
-    """row_order(total, parts) as a RowSplit on `device` (cached: callers must not modify it)."""
-    order, chunk = row_order(total, parts, device)
-    inverse = torch.empty(total, dtype=torch.int64, device=device)
-    valid = order < total
-    inverse[order[valid]] = torch.arange(order.numel(), device=device)[valid]
-    starts = [c for r in range(parts) for c in rank_chunks(r, parts)]
-    pads = tuple((i * chunk + max(0, min(chunk, total - c * chunk)), (i + 1) * chunk)
-                 for i, c in enumerate(starts) if (c + 1) * chunk > total)
-    return RowSplit(chunk, order.clamp(max=total - 1), inverse, pads)
 
 
 def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.Tensor:
     """`select` (a select_topk) with the query rows split across the ranks of `group` (tensor
     parallel), then all-gathered: every rank holds the same q, k and weights (megatron-core
-    replicates the DSA indexer) and returns the same [T, topk], but scores only its rows of
-    `row_order` (1/P of them, balanced under the causal mask)."""
+    replicates the DSA indexer) and returns the same [T, topk], but scores only its `rank_chunks`
+    (1/P of the rows)."""
     parts = group.size() if group is not None and torch.distributed.is_initialized() else 1
     if parts == 1:
         return select(q, k, weights, starts, topk)
-    rank, total = group.rank(), k.shape[0]
-    split = row_split(total, parts, k.device)
-    chunk = split.chunk
+    total = k.shape[0]
+    chunk = -(-total // (2 * parts))
+    rows = [(min(c * chunk, total), min((c + 1) * chunk, total)) for c in rank_chunks(group.rank(), parts)]
     # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
     mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
-    for i, c in enumerate(rank_chunks(rank, parts)):
-        a, b = min(c * chunk, total), min((c + 1) * chunk, total)
+    for i, (a, b) in enumerate(rows):
         if b > a:
             mine[i * chunk:i * chunk + b - a] = select(q, k, weights, starts, topk, rows=(a, b))
-    gathered = torch.empty((parts * 2 * chunk, topk), dtype=torch.int32, device=k.device)
-    torch.distributed.all_gather_into_tensor(gathered, mine, group=group)
-    return gathered.index_select(0, split.inverse).long()
+    gathered = torch.empty((parts, 2, chunk, topk), dtype=torch.int32, device=k.device)
+    torch.distributed.all_gather_into_tensor(gathered.view(-1, topk), mine, group=group)
+    out = torch.empty((2 * parts * chunk, topk), dtype=torch.int64, device=k.device).view(2 * parts, chunk, topk)
+    out[:parts] = gathered[:, 0]  # chunk r came from rank r, chunk 2P−1−r from rank r too
+    out[parts:] = gathered[:, 1].flip(0)
+    return out.view(-1, topk)[:total]
 
 
 def check_topk(topk: torch.Tensor, starts: torch.Tensor) -> None:

@@ -125,18 +125,18 @@ def make_kernel_tiny_checkpoint(path):
 
 def test_fewer_queries_than_keys():
     """Token-parallel attention (attention/token_parallel.py) gives the fused backend one rank's
-    query rows (here 2 of 8 row chunks, as rank 1 of TP 4 gets them) over all T keys: their
-    outputs and dq must be the full call's rows, and dkv the full call's dkv when only those rows'
-    outputs carry gradient (8K-row kv, 64 heads, bf16)."""
-    from glm5_bridge.attention.topk import row_order
+    query rows (here the row_bounds range of rank 1 of TP 4) over all T keys: their outputs and dq
+    must be the full call's rows, and dkv the full call's dkv when only those rows' outputs carry
+    gradient (8K-row kv, 64 heads, bf16)."""
+    from glm5_bridge.attention.topk import row_bounds
 
     g = torch.Generator(device="cuda").manual_seed(11)
     total = 8192
     q = torch.randn(total, HEADS, D_QK, device="cuda", generator=g).bfloat16()
     kv = torch.randn(total, D_QK, device="cuda", generator=g).bfloat16()
     topk = random_causal_topk([total], TOPK, device="cuda", generator=g)
-    order, chunk = row_order(total, 4, "cuda")
-    rows = order[2 * chunk:4 * chunk]
+    bounds = row_bounds((total,), 4, TOPK)
+    rows = torch.arange(bounds[1], bounds[2], device="cuda")
     dout = torch.zeros(total, HEADS, D_V, device="cuda").bfloat16()
     dout[rows] = torch.randn(len(rows), HEADS, D_V, device="cuda", generator=g).bfloat16()
     fn = get_backend("tilelang")
