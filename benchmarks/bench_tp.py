@@ -161,8 +161,9 @@ def bench_dense(s, device, group, reps, heads=64, dim=256):
 PARTS = {"indexer": bench_indexer, "attention": bench_attention, "dense": bench_dense}
 
 
-def emulate(parts_list, seqs, ranks_list, reps, link_gbs):
-    """--emulate: every rank r of each P in turn on this GPU, over the fake process group."""
+def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
+    """--emulate: every rank r of each P in turn on this GPU, over the fake process group. The rows
+    so far are saved after every rank (a run cut short by a time limit keeps them)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -181,8 +182,11 @@ def emulate(parts_list, seqs, ranks_list, reps, link_gbs):
                         rows.append(row)
                         print("RESULT " + json.dumps(row), flush=True)
             dist.destroy_process_group()
+            with open(out_path, "w") as f:
+                json.dump(rows, f, indent=1)
     rows += per_rank_summary(rows, link_gbs)
-    return rows
+    with open(out_path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def per_rank_summary(rows, link_gbs):
@@ -226,9 +230,7 @@ def main():
     a = ap.parse_args()
     seqs = [int(x) for x in a.seqs.split(",")]
     if a.emulate:
-        rows = emulate(a.parts.split(","), seqs, [int(x) for x in a.emulate.split(",")], a.reps, a.link_gbs)
-        with open(a.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        emulate(a.parts.split(","), seqs, [int(x) for x in a.emulate.split(",")], a.reps, a.link_gbs, a.out)
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
