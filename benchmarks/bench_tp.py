@@ -161,6 +161,24 @@ def bench_dense(s, device, group, reps, heads=64, dim=256):
 PARTS = {"indexer": bench_indexer, "attention": bench_attention, "dense": bench_dense}
 
 
+def precompile(head_counts):
+    """Build the kernels the GPU runs use, one process per kernel, in parallel (TileLang's disk cache
+    then serves this process; a kernel takes 10–30 s to build the first time)."""
+    import subprocess
+
+    stub = (f"import sys, types; p = types.ModuleType('glm5_bridge'); p.__path__ = [{str(ROOT / 'glm5_bridge')!r}]; "
+            "sys.modules['glm5_bridge'] = p; ")
+    jobs = [f"from glm5_bridge.kernels.sparse_mla import compile_kernels; compile_kernels({h}, {TOPK}, {SCALE}, parts=('{part}',))"
+            for h in sorted(set(head_counts)) for part in ("fwd", "bwd", "delta", "slots")]
+    jobs += ["from glm5_bridge.kernels import indexer; indexer.get_logits_kernel(32, 128)",
+             f"from glm5_bridge.kernels import radix_topk; radix_topk.get_select_kernel({TOPK})"]
+    procs = [subprocess.Popen([sys.executable, "-c", stub + job], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for job in jobs]
+    for job, proc in zip(jobs, procs):
+        if proc.wait():
+            print(f"precompile failed: {job}\n{proc.stderr.read().decode()[-2000:]}", flush=True)
+
+
 def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
     """--emulate: every rank r of each P in turn on this GPU, over the fake process group. The rows
     so far are saved after every rank (a run cut short by a time limit keeps them)."""
@@ -168,6 +186,8 @@ def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    if device == "cuda":
+        precompile([64] + [64 // parts for parts in ranks_list])
     rows = []
     for parts in ranks_list:
         for rank in range(parts):
@@ -234,9 +254,12 @@ def main():
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    group = dist.group.WORLD
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    group = dist.group.WORLD
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one builder per host; the others wait
+            precompile([64, 64 // group.size()])
+        dist.barrier()
     rows = []
     for s in seqs:
         for part in a.parts.split(","):
