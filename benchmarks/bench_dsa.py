@@ -47,7 +47,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the mod
 import importlib  # noqa: E402
 
 iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
-from timing import times_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import dense_attention, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from glm5_bridge.kernels import slot_union  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_bwd as ours_bwd  # noqa: E402
@@ -467,26 +467,14 @@ def bench_compile(heads=64, n=20):
 
 # ---------------------------------------------------------------------------------------------- dense
 def bench_dense(seqs, heads=64, dim=256, reps=10):
-    import torch.nn.functional as F
-
     for s in seqs:
-        q, k, v = (torch.randn(1, heads, s, dim, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-        do = torch.randn(1, heads, s, dim, device="cuda", dtype=torch.bfloat16)
-
-        def f():
-            with torch.no_grad():
-                F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        def fb():
-            q.grad = k.grad = v.grad = None
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
-
+        f, fb = dense_attention(s, heads, dim)
         tf, sf = median_ms(f, reps)
         tfb, sfb = median_ms(fb, reps)
         fl = 2 * s * s * heads * dim  # causal half of 4·S²·H·D
         emit("dense_sdpa", S=s, H=heads, D=dim, fwd_ms=round(tf, 3), bwd_ms=round(tfb - tf, 3), fwd_bwd_ms=round(tfb, 3),
              fwd_tflops=round(fl / tf / 1e9, 1), bwd_tflops=round(2.5 * fl / (tfb - tf) / 1e9, 1), spread_ms=round(sfb, 3))
-        del q, k, v, do
+        del f, fb
         torch.cuda.empty_cache()
 
 

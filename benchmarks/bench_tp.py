@@ -46,7 +46,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge's attention and kernels
     pkg.__path__ = [str(ROOT / "glm5_bridge")]
     sys.modules["glm5_bridge"] = pkg
 
-from timing import times_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import dense_attention, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from glm5_bridge.attention import backends, token_parallel  # noqa: E402
 from glm5_bridge.attention.topk import row_bounds, select_topk_split  # noqa: E402
@@ -142,19 +142,13 @@ def bench_attention(s, device, group, reps, baseline=True):
     yield dict(part="attention_check", S=s, tokens_vs_heads_split_rel=round(diff.item(), 6))
 
 
-def bench_dense(s, device, group, reps, heads=64, dim=256):
-    """The rank's dense bar: causal SDPA fwd + bwd at its 64/P heads, head dim 256 (bench_dsa's)."""
-    import torch.nn.functional as F
-
+def bench_dense(s, device, group, reps, baseline=True, heads=64, dim=256):
+    """The rank's dense bar: causal SDPA fwd + bwd at its 64/P heads, head dim 256 (bench_dsa's). The
+    same on every rank: with --emulate only rank 0 (baseline) runs it."""
+    if not baseline:
+        return
     h = heads // group.size()
-    q, k, v = (torch.randn(1, h, s, dim, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    do = torch.randn(1, h, s, dim, device=device, dtype=torch.bfloat16)
-
-    def step():
-        q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
-
-    ms, spread = timed(step, reps, device, group)
+    ms, spread = timed(dense_attention(s, h, dim, device)[1], reps, device, group)
     yield dict(part="dense", impl="sdpa", S=s, heads_per_rank=h, dim=dim, fwd_bwd_ms=ms, fwd_bwd_spread_ms=spread)
 
 
@@ -194,10 +188,7 @@ def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
             dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
             for s in seqs:
                 for part in parts_list:
-                    if part == "dense" and rank > 0:
-                        continue
-                    extra = {} if part == "dense" else {"baseline": rank == 0}
-                    for row in PARTS[part](s, device, dist.group.WORLD, reps, **extra):
+                    for row in PARTS[part](s, device, dist.group.WORLD, reps, baseline=rank == 0):
                         row = dict(kind="bench_tp_emulated", tp=parts, rank=rank, device=name, **row)
                         rows.append(row)
                         print("RESULT " + json.dumps(row), flush=True)

@@ -60,26 +60,18 @@ def _tokens_to_heads(y: torch.Tensor, sizes: list[int], rank: int, group) -> tor
     return recv
 
 
-class _HeadsToTokens(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """_heads_to_tokens (to_tokens) or _tokens_to_heads; the backward runs the other one."""
+
     @staticmethod
-    def forward(ctx, x, sizes, rank, group):
-        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        return _heads_to_tokens(x, sizes, rank, group)
+    def forward(ctx, x, to_tokens, sizes, rank, group):
+        ctx.to_tokens, ctx.sizes, ctx.rank, ctx.group = to_tokens, sizes, rank, group
+        return (_heads_to_tokens if to_tokens else _tokens_to_heads)(x, sizes, rank, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _tokens_to_heads(grad.contiguous(), ctx.sizes, ctx.rank, ctx.group), None, None, None
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, sizes, rank, group):
-        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
-        return _tokens_to_heads(y, sizes, rank, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_tokens(grad.contiguous(), ctx.sizes, ctx.rank, ctx.group), None, None, None
+        back = _tokens_to_heads if ctx.to_tokens else _heads_to_tokens
+        return back(grad.contiguous(), ctx.sizes, ctx.rank, ctx.group), None, None, None, None
 
 
 def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths) -> torch.Tensor:
@@ -89,10 +81,10 @@ def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths
     rank = group.rank()
     bounds = row_bounds(tuple(lengths), group.size(), cap=topk.shape[1])
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
-    q_rows = _HeadsToTokens.apply(q, sizes, rank, group)
+    q_rows = _Exchange.apply(q, True, sizes, rank, group)
     rows_topk = topk[bounds[rank]:bounds[rank + 1]]
     if not sizes[rank]:  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
         q_rows = torch.cat([q_rows, q_rows.new_zeros(1, *q_rows.shape[1:])])
         rows_topk = topk.new_full((1, topk.shape[1]), -1)
     out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)[:sizes[rank]]
-    return _TokensToHeads.apply(out_rows, sizes, rank, group)
+    return _Exchange.apply(out_rows, False, sizes, rank, group)

@@ -9,6 +9,7 @@ starts[t] <= s <= t. Top-k indices are flat indices, −1 where a slot is unused
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -26,9 +27,7 @@ def sequence_lengths(cu_seqlens: torch.Tensor, total: int) -> tuple[int, ...]:
 
 def flat_starts(lengths: tuple[int, ...], device) -> torch.Tensor:
     """starts[t] for sequences of these lengths laid end to end → [Σ lengths] (no host sync)."""
-    firsts = [0]
-    for n in lengths[:-1]:
-        firsts.append(firsts[-1] + n)
+    firsts = [0, *itertools.accumulate(lengths[:-1])]
     return torch.tensor(firsts, device=device).repeat_interleave(
         torch.tensor(lengths, device=device), output_size=sum(lengths))
 
@@ -83,11 +82,10 @@ def row_bounds(lengths: tuple[int, ...], parts: int, cap: int | None = None) -> 
     attention over at most cap selected keys; cap None: p + 1). Boundary i is the first row count
     whose rows cost at least i/P of the total, so a range is off by at most one query's cost
     (ranges may be empty when T < P)."""
-    n = torch.tensor(lengths, dtype=torch.int64)
-    total = int(n.sum())
+    total = sum(lengths)
     if total == 0:
         return (0,) * (parts + 1)
-    position = torch.arange(total) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n, output_size=total)
+    position = torch.arange(total) - flat_starts(lengths, "cpu")
     cost = position + 1 if cap is None else (position + 1).clamp(max=cap)
     cum = torch.cumsum(cost, 0).double()
     targets = torch.arange(1, parts, dtype=torch.float64) * (cum[-1] / parts)
