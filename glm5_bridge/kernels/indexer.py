@@ -12,15 +12,24 @@ score block — never [T, T] — and causal blocks score half the keys on averag
 
 Kernel: one CTA per (4 queries, 512 keys). The 4 queries' 32-head q rows stay in shared memory
 while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile one wgmma
-[128 keys × (4 queries · 32 heads)] (K = 128 channels), relu and the head weights on the fp32
-accumulator, and each query's head sum as a reduction over its 32 columns inside the accumulator
-(no fp32 score tile in shared memory); keys outside a row's window are written as −inf. Key
-chunks past every row of the block (the causal upper triangle) skip the GEMM and only write −inf.
-Rows and keys are dynamic (one build per head count and head dim); the host pads both to whole
-tiles. H200, 8K / 32K tokens (run O): 1.06 / 11.5 ms for the score blocks. One N = 128 wgmma per
-tile instead of four N = 32 ones (1.58 / 18.6 ms) re-reads the key tile from shared memory once
-instead of four times and needs 127 registers instead of 164, so two CTAs share an SM. Other
-tile sizes: benchmarks/results/…runLM… and …runO….
+[128 keys × (4 queries · 32 heads)] (K = 128 channels), then SCORE_EPILOGUE straight from the
+accumulator registers: relu, head weights, each query's head sum (within the thread, then across
+the 4 lanes of a quad) and the stores — no score tile in shared memory, no barrier. Keys outside
+a row's window are written as −inf; key chunks past every row of the block (the causal upper
+triangle) skip the GEMM and only write −inf. Rows and keys are dynamic (one build per head count
+and head dim); the host pads both to whole tiles. Two CTAs share an SM (114 registers, 99 KB).
+
+Measured (docs/kernels.md, runs BB–BD, H100s, each against the previous kernel in one process):
+6–11 % faster at 16K / 32K tokens (run BC: 3.04 / 10.82 ms for the score blocks against 3.35 /
+11.77); at 8K the runs disagree (+26 %, +8 %, +1 %, −24 %: run BD's machine drifted). The
+previous epilogue went through a shared-memory score tile, a generic head reduction and three
+barriers per tile. ncu (8K, the
+4096-row block): tensor pipe 51 % of the elapsed cycles, L1/TEX (shared memory) 70 %, L2 41 %:
+the wgmmas read 96 KB of shared-memory operands per 4.2-MFLOP tile (B, the q rows, once per
+warpgroup) and cp.async writes 32 KB more, which at the tensor peak would need all of the SM's
+128 B/clock. More queries per CTA (8 or 16, one CTA per SM, the next group's wgmma in flight
+during this one's epilogue) cut the L2 traffic by 2–4× but were no faster (run BC). Earlier tile
+sizes: benchmarks/results/…runLM… and …runO….
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -33,55 +42,100 @@ import torch
 from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
 
 ROW_BLOCK = 4096  # rows per selection call: the score block is ROW_BLOCK · window · 4 bytes
-QUERIES = 4  # queries per CTA
+QUERIES = 4  # queries per CTA: one wgmma of N = 4 · heads columns per key tile (SCORE_EPILOGUE's quad)
 KEYS = 128  # keys per GEMM tile
 CHUNK = 512  # keys per CTA: CHUNK // KEYS tiles walked with Q resident and K double-buffered
+
+# The epilogue of one [64 keys × (4 queries · H heads)] wgmma fragment (a warpgroup's half of the
+# 128-key tile), straight from registers to the score rows: relu, head weights, the thread's
+# partial head sums (H / 4 columns of each query per row), then a reduce-scatter over the 4 lanes
+# of a quad (6 shuffles: after it lane q holds query q's two rows), and each lane stores its
+# query's scores for rows r and r + 8 — 8 lanes write 32 contiguous bytes per query. No shared
+# memory, no barrier. Fragment layout (TileLang 0.1.15, wgmma m64nN): thread t of the warpgroup
+# holds rows r = 16·(t / 32) + (t % 32) / 4 and r + 8; acc[4j + e] is row r (e < 2) or r + 8,
+# column 8j + 2·(t % 4) + e % 2. tests/gpu/test_indexer.py fails if a release changes it.
+SCORE_EPILOGUE = r"""
+template <int H>
+__device__ __forceinline__ void glm5_index_scores(const float* acc, const float* w, const int* ks,
+                                                  const int* ke, float* scores, long long stride,
+                                                  int key0) {
+  constexpr int J = H / 8;  // n8 column blocks per query
+  const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
+  const int r = 64 * (tid >> 7) + ((tid & 127) >> 5) * 16 + (lane >> 2);
+  float part[4][2];
+  #pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s = 0.f;
+      #pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const int blk = q * J + j;
+        const float2 wv = *reinterpret_cast<const float2*>(w + 8 * blk + 2 * quad);
+        s += fmaxf(acc[4 * blk + 2 * h], 0.f) * wv.x + fmaxf(acc[4 * blk + 2 * h + 1], 0.f) * wv.y;
+      }
+      part[q][h] = s;
+    }
+  }
+  // lanes with bit 1 set keep queries 2, 3 and send 0, 1; then bit 0 picks one of the two
+  const bool hi = quad & 2, odd = quad & 1;
+  float keep[2][2];
+  #pragma unroll
+  for (int a = 0; a < 2; ++a) {
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float mine = hi ? part[2 + a][h] : part[a][h], other = hi ? part[a][h] : part[2 + a][h];
+      keep[a][h] = mine + __shfl_xor_sync(0xffffffffu, other, 2);
+    }
+  }
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mine = odd ? keep[1][h] : keep[0][h], other = odd ? keep[0][h] : keep[1][h];
+    const float total = mine + __shfl_xor_sync(0xffffffffu, other, 1);
+    const int key = key0 + r + 8 * h;
+    scores[quad * stride + key] = (key >= ks[quad] && key < ke[quad]) ? total : __int_as_float(0xff800000);  // -inf
+  }
+}
+"""
 
 
 def logits_kernel(heads: int, dim: int, threads: int = 256):
     """Tile sizes are the module's QUERIES / KEYS / CHUNK, which block_scores pads to."""
     tilelang, T = _tl()
-    queries, chunk = QUERIES, CHUNK
-    m_rows = queries * heads
-    assert chunk % KEYS == 0
+    m_rows = QUERIES * heads
+    assert CHUNK % KEYS == 0 and heads % 8 == 0 and threads == 256  # SCORE_EPILOGUE's layout
     bf16, f32 = T.bfloat16, T.float32
     nq = T.dynamic("query_head_rows")  # rows · heads
     n = T.dynamic("rows")
-    m = T.dynamic("keys")  # a multiple of chunk (the host pads)
+    m = T.dynamic("keys")  # a multiple of CHUNK (the host pads)
     nb = T.dynamic("row_blocks")
 
     @T.prim_func
     def main(Q: T.Tensor([nq, dim], bf16), K: T.Tensor([m, dim], bf16), W: T.Tensor([nq], f32),
              Ks: T.Tensor([n], T.int32), Ke: T.Tensor([n], T.int32), BlockEnd: T.Tensor([nb], T.int32),
              L: T.Tensor([n, m], f32)):
-        with T.Kernel(T.ceildiv(m, chunk), nb, threads=threads) as (bc, bq):
+        with T.Kernel(T.ceildiv(m, CHUNK), nb, threads=threads, prelude=SCORE_EPILOGUE) as (bc, bq):
             q_s = T.alloc_shared([m_rows, dim], bf16)
             k_s = T.alloc_shared([KEYS, dim], bf16)
             w_s = T.alloc_shared([m_rows], f32)
-            o_s = T.alloc_shared([queries, KEYS], f32)
-            # keys × (query, head): one wgmma with N = queries · heads per tile; each query's head
-            # sum is then a reduction over its `heads` columns inside the accumulator
+            # keys × (query, head): each query's head sum is a reduction over its `heads` columns
             acc = T.alloc_fragment([KEYS, m_rows], f32)
-            tot = T.alloc_fragment([KEYS, queries], f32)
-            if bc * chunk < BlockEnd[bq]:
+            if bc * CHUNK < BlockEnd[bq]:
                 T.copy(Q[bq * m_rows:(bq + 1) * m_rows, :], q_s)
                 T.copy(W[bq * m_rows:(bq + 1) * m_rows], w_s)
-                for kt in T.Pipelined(chunk // KEYS, num_stages=2):
-                    k0 = bc * chunk + kt * KEYS
+                # the copy one step ahead of the GEMM and the epilogue: the next tile's copy goes out
+                # at the top of a step (the inferred schedule issued it after the GEMM, between two
+                # more barriers: slower at 16K / 32K in run BD)
+                for kt in T.Pipelined(CHUNK // KEYS, order=[0, 1, 2], stage=[0, 1, 1]):
+                    k0 = bc * CHUNK + kt * KEYS
                     T.copy(K[k0:k0 + KEYS, :], k_s)
                     T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for r, c in T.Parallel(KEYS, m_rows):
-                        acc[r, c] = T.max(acc[r, c], 0) * w_s[c]
-                    T.reduce_sum(T.reshape(acc, [KEYS, queries, heads]), tot, dim=2)
-                    for r, i in T.Parallel(KEYS, queries):
-                        o_s[i, r] = tot[r, i]
-                    for i, j in T.Parallel(queries, KEYS):
-                        row = bq * queries + i
-                        L[row, k0 + j] = T.if_then_else((k0 + j >= Ks[row]) & (k0 + j < Ke[row]), o_s[i, j],
-                                                        -T.infinity(f32))
+                    row = bq * QUERIES
+                    T.call_extern("handle", f"glm5_index_scores<{heads}>", acc.data, T.address_of(w_s[0]),
+                                  T.address_of(Ks[row]), T.address_of(Ke[row]), T.address_of(L[row, 0]), m, k0)
             else:  # above every row's causal end: no GEMM
-                for i, j in T.Parallel(queries, chunk):
-                    L[bq * queries + i, bc * chunk + j] = -T.infinity(f32)
+                for i, j in T.Parallel(QUERIES, CHUNK):
+                    L[bq * QUERIES + i, bc * CHUNK + j] = -T.infinity(f32)
 
     return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
 

@@ -55,6 +55,23 @@ def test_indexer_topk_matches_torch(lengths, heads, dim, topk, row_block):
     assert worst <= 1e-5 and same >= 0.99
 
 
+@pytest.mark.parametrize("heads", [32, 16])
+def test_block_scores_match_torch(heads):
+    """The raw score blocks (the kernel's hand-read fragment layout included: SCORE_EPILOGUE)
+    against the same blocks from the torch stand-in: equal to fp32 rounding, −inf at exactly the
+    same places (outside each row's window, padding rows and keys)."""
+    q, k, w, starts = inputs([700, 2100, 37], heads, 128, seed=heads)
+    for r0, r1 in ((0, 700), (650, 2837), (2800, 2837)):  # the middle window starts mid-block
+        ours, w0 = indexer.block_scores(q, k, w, starts, r0, r1)
+        ref, w0_ref = indexer.block_scores(q, k, w, starts, r0, r1, indexer.reference_logits_kernel(heads, 128))
+        assert w0 == w0_ref and ours.shape == ref.shape
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
+        fin = torch.isfinite(ref)
+        rel = ((ours - ref).abs()[fin].max() / ref[fin].abs().max()).item()
+        print(f"RESULT block_scores heads={heads} rows=({r0}, {r1}) rel_err={rel:.2e}")
+        assert rel <= 1e-5
+
+
 def test_indexer_fp32_inputs_take_the_torch_path():
     q, k, w, starts = inputs([40, 30], 16, 128)
     q, k = q.float(), k.float()
