@@ -55,7 +55,7 @@ def select_kernel(topk: int):
     i32, u32 = T.int32, T.uint32
 
     @T.prim_func
-    def main(S: T.Tensor([n, m], T.float32), Base: T.Tensor([1], T.int64), Out: T.Tensor([r, topk], T.int64)):
+    def main(S: T.Tensor([n, m], T.float32), Out: T.Tensor([r, topk], T.int64), base: T.int64):
         with T.Kernel(r, threads=THREADS) as row:
             tx = T.get_thread_binding()
             hist = T.alloc_shared([BINS], i32)
@@ -128,11 +128,11 @@ def select_kernel(topk: int):
                     key = _ordered(T, S[row, col])
                     if key > prefix:
                         pos = T.atomic_add(taken[0], 1, return_prev=True)
-                        Out[row, pos] = Base[0] + col
+                        Out[row, pos] = base + col
                     elif key == prefix:
                         pos = T.atomic_add(taken[1], 1, return_prev=True)
                         if pos < need:
-                            Out[row, topk - need + pos] = Base[0] + col
+                            Out[row, topk - need + pos] = base + col
 
     # Barriers are placed by hand above; TileLang's automatic ones would land inside the
     # data-dependent branches.
@@ -155,6 +155,5 @@ def select(scores, topk: int, out=None, base: int = 0):
     if out.shape[0] > scores.shape[0] or out.shape[1] != topk or not out.is_contiguous():
         raise ValueError(f"radix_topk.select: out must be contiguous [≤ {scores.shape[0]}, {topk}], "
                          f"got {tuple(out.shape)}")
-    base_t = torch.tensor([base], dtype=torch.int64, device=scores.device)
-    get_select_kernel(topk)(scores.contiguous(), base_t, out)
+    get_select_kernel(topk)(scores.contiguous(), out, base)
     return out

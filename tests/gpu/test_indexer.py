@@ -62,9 +62,9 @@ def test_block_scores_match_torch(heads):
     same places (outside each row's window, padding rows and keys)."""
     q, k, w, starts = inputs([700, 2100, 37], heads, 128, seed=heads)
     for r0, r1 in ((0, 700), (650, 2837), (2800, 2837)):  # the middle window starts mid-block
-        ours, w0 = indexer.block_scores(q, k, w, starts, r0, r1)
-        ref, w0_ref = indexer.block_scores(q, k, w, starts, r0, r1, indexer.reference_logits_kernel(heads, 128))
-        assert w0 == w0_ref and ours.shape == ref.shape
+        ours = indexer.block_scores(q, k, w, starts, r0, r1)
+        ref = indexer.block_scores(q, k, w, starts, r0, r1, indexer.reference_logits_kernel(heads, 128))
+        assert ours.shape == ref.shape
         assert torch.equal(torch.isfinite(ours), torch.isfinite(ref))
         fin = torch.isfinite(ref)
         rel = ((ours - ref).abs()[fin].max() / ref[fin].abs().max()).item()
