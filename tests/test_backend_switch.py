@@ -317,6 +317,17 @@ def test_fp32_inputs_run_float16_kernels_with_scaled_dout():
     assert all(f * 4 < b for f, b in zip(errors[torch.float16], errors[torch.bfloat16]))
 
 
+def test_indexer_window_starts_are_each_blocks_min():
+    """kernels/indexer.window_starts: every row block's earliest start in one host read, the last
+    block short, starts in any order (select_topk's contract promises starts[t] ≤ t, not sorted)."""
+    from glm5_bridge.kernels.indexer import window_starts
+
+    starts = torch.tensor([0, 0, 2, 3, 3, 1, 2, 7])  # starts[t] ≤ t, not sorted
+    assert window_starts(starts, 1, 7, 4) == [0, 1]  # rows 1-4, then the short block 5-6
+    assert window_starts(starts, 2, 8, 3) == [2, 1]
+    assert window_starts(starts, 7, 8, 4) == [7]  # one row, padded
+
+
 @pytest.mark.parametrize("row_block", [4096, 50, 7])
 def test_indexer_host_code_matches_torch_topk(row_block):
     """kernels/indexer.select_topk's blocking (row blocks, causal key windows that start mid-block,

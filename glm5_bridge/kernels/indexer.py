@@ -28,17 +28,16 @@ where nothing is skipped; run BG, H100). Rows and keys are dynamic (one build pe
 and head dim); the score block comes in whole tiles, the inputs unpadded. Two CTAs share an SM
 (under 128 registers, 99 KB of shared memory).
 
-Measured (docs/kernels.md, runs BB–BD, H100s, each against the previous kernel in one process):
-6–11 % faster at 16K / 32K tokens (run BC: 3.04 / 10.82 ms for the score blocks against 3.35 /
-11.77); at 8K the runs disagree (+26 %, +8 %, +1 %, −24 %: run BD's machine drifted). The
+The register epilogue (docs/kernels.md, runs BB–BD, H100s, against the previous kernel in one
+process): 6–11 % faster at 16K / 32K tokens (run BC: 3.04 / 10.82 ms for the score blocks against
+3.35 / 11.77); at 8K the runs disagree (+26 %, +8 %, +1 %, −24 %: run BD's machine drifted). The
 previous epilogue went through a shared-memory score tile, a generic head reduction and three
-barriers per tile. ncu (8K, the
-4096-row block): tensor pipe 51 % of the elapsed cycles, L1/TEX (shared memory) 70 %, L2 41 %:
-the wgmmas read 96 KB of shared-memory operands per 4.2-MFLOP tile (B, the q rows, once per
-warpgroup) and cp.async writes 32 KB more, which at the tensor peak would need all of the SM's
-128 B/clock. More queries per CTA (8 or 16, one CTA per SM, the next group's wgmma in flight
-during this one's epilogue) cut the L2 traffic by 2–4× but were no faster (run BC). Earlier tile
-sizes: benchmarks/results/…runLM… and …runO….
+barriers per tile. ncu (8K, the 4096-row block): tensor pipe 51 % of the elapsed cycles, L1/TEX
+(shared memory) 70 %, L2 41 %: the wgmmas read 96 KB of shared-memory operands per 4.2-MFLOP tile
+(B, the q rows, once per warpgroup) and cp.async writes 32 KB more, which at the tensor peak
+would need all of the SM's 128 B/clock. More queries per CTA (8 or 16, one CTA per SM, the next
+group's wgmma in flight during this one's epilogue) cut the L2 traffic by 2–4× but were no
+faster (run BC). Earlier tile sizes: benchmarks/results/…runLM… and …runO….
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -208,7 +207,7 @@ def window_starts(starts, a: int, b: int, row_block: int) -> list[int]:
     s = starts[a:b]
     pad = -(b - a) % row_block
     if pad:
-        s = torch.nn.functional.pad(s, (0, pad), value=b)  # b is above every start
+        s = torch.nn.functional.pad(s, (0, pad), value=b)  # above every start (starts[t] ≤ t < b)
     return s.view(-1, row_block).amin(1).tolist()
 
 
