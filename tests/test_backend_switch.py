@@ -328,6 +328,22 @@ def test_indexer_window_starts_are_each_blocks_min():
     assert window_starts(starts, 7, 8, 4) == [7]  # one row, padded
 
 
+def test_indexer_top_k_wider_than_the_score_block():
+    """kernels/indexer.select_topk when top-k is wider than a block's padded key window (CHUNK
+    columns): the block goes to torch_select, which must write −1 into the slots past the window
+    (select_topk's result is not pre-filled)."""
+    from glm5_bridge.attention.topk import flat_starts, select_topk
+    from glm5_bridge.kernels import indexer
+
+    lengths, heads, dim, topk = (100, 300), 4, 16, indexer.CHUNK + 88
+    g = torch.Generator().manual_seed(9)
+    q, k = torch.randn(sum(lengths), heads, dim, generator=g), torch.randn(sum(lengths), dim, generator=g)
+    w = torch.randn(sum(lengths), heads, generator=g)
+    starts = flat_starts(lengths, "cpu")
+    ours = indexer.select_topk(q, k, w, starts, topk, kernel=indexer.reference_logits_kernel(heads, dim))
+    assert torch.equal(ours.sort(1).values, select_topk(q, k, w, starts, topk).sort(1).values)
+
+
 @pytest.mark.parametrize("row_block", [4096, 50, 7])
 def test_indexer_host_code_matches_torch_topk(row_block):
     """kernels/indexer.select_topk's blocking (row blocks, causal key windows that start mid-block,

@@ -212,10 +212,11 @@ def window_starts(starts, a: int, b: int, row_block: int) -> list[int]:
 
 
 def torch_select(scores, topk: int, out, base: int):
-    """radix_topk.select's contract by torch.topk, also for rows shorter than topk (then it fills
-    only the first min(topk, columns) slots of `out`)."""
+    """radix_topk.select's contract by torch.topk, also for rows shorter than topk (the slots past
+    their columns get −1): like the radix select it writes every slot of `out`."""
     best, idx = scores[:out.shape[0]].topk(min(topk, scores.shape[1]), dim=-1, sorted=False)
     out[:, :idx.shape[1]] = torch.where(best == float("-inf"), -1, idx + base)
+    out[:, idx.shape[1]:] = -1
     return out
 
 
@@ -234,7 +235,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
         return torch_topk.select_topk(q, k, weights, starts, topk, rows)
     select = select or (torch_select if kernel is not None else radix_topk.select)
     a, b = rows or (0, k.shape[0])
-    out = torch.full((b - a, topk), -1, dtype=torch.int64, device=k.device)
+    out = torch.empty((b - a, topk), dtype=torch.int64, device=k.device)  # every select writes all its slots
     q, k, weights = q.contiguous(), k.contiguous(), weights.float().contiguous()
     for r0, w0 in zip(range(a, b, row_block), window_starts(starts, a, b, row_block)):
         r1 = min(r0 + row_block, b)
