@@ -403,8 +403,9 @@ def bench_indexer(seqs, heads=32, dim=128, reps=5):
             return ours_indexer.select_topk(iq, ik, w, starts, TOPK, select=ours_indexer.torch_select)
 
         def ours_scores_only():  # the score blocks alone: what the selection costs is the difference
-            for r0 in range(0, s, ours_indexer.ROW_BLOCK):
-                ours_indexer.block_scores(iq, ik, w, starts, r0, min(r0 + ours_indexer.ROW_BLOCK, s))
+            blocks = range(0, s, ours_indexer.ROW_BLOCK)  # window starts read once, as select_topk does
+            for r0, w0 in zip(blocks, ours_indexer.window_starts(starts, 0, s, ours_indexer.ROW_BLOCK)):
+                ours_indexer.block_scores(iq, ik, w, starts, r0, min(r0 + ours_indexer.ROW_BLOCK, s), w0=w0)
 
         same = (ours().sort(1).values == ours_torch_topk().sort(1).values).all(1).float().mean().item()
         emit("indexer_check", S=s, rows_identical_radix_vs_torch_topk=round(same, 6))
