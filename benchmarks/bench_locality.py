@@ -1,0 +1,142 @@
+"""Sparse MLA on top-k sets that neighbouring queries share: how our kernels and upstream's
+respond to the locality a trained indexer has and bench_dsa.py's random top-k lacks.
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_locality.py [--seqs 8192] [--heads 16,64]
+        [--churn 1,0.5,0.2,0.05] [--out $OUT/bench_locality.json]
+
+Top-k model ("sticky", `sticky_topk`): row t < K takes its whole causal window; row t ≥ K is row
+t − 1 with round(churn · K) of its slots redrawn uniformly from the keys of [0, t] it does not
+keep. Neighbouring rows then share about (1 − churn) · K keys; churn = 1 draws every row afresh,
+which is bench_dsa's random top-k (neighbours share ≈ K / t by chance). Recorded top-k (R3
+payloads of a real model) were not available here: the churn values bracket them.
+
+Why it matters: the backward adds one fp32 dKV row per (CTA, distinct key), so below 64 heads,
+where a CTA serves 64 / H neighbouring tokens over the union of their slots (slot_union.py), the
+adds and gathers shrink with the union; at 64 heads (one token per CTA) only cache hits change.
+Per (S, churn) the JSON has the measured neighbour overlap and the mean union of a token group
+over group · K; per H our and upstream's forward and backward (ms, TFLOP/s over all K slots, as
+bench_dsa.py counts them), all in one process.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_dsa as B  # noqa: E402  (sets up glm5_bridge.kernels without the model stack)
+
+ROWS = []
+
+
+def emit(out_path, kind, **row):
+    row = {"kind": kind, **row}
+    ROWS.append(row)
+    print("RESULT " + json.dumps(row), flush=True)
+    if out_path:
+        Path(out_path).write_text(json.dumps(ROWS, indent=1))
+
+
+def sticky_topk(s: int, k: int, churn: float, seed: int = 0) -> torch.Tensor:
+    """[s, k] int32 causal top-k, used slots first, −1 after (see the module docstring)."""
+    if not 0 <= churn <= 1:
+        raise ValueError(f"churn must lie in [0, 1]; got {churn}")
+    rng = np.random.default_rng(seed)
+    out = np.full((s, k), -1, dtype=np.int32)
+    for t in range(min(k, s)):
+        out[t, :t + 1] = np.arange(t + 1)
+    sel = np.arange(k, dtype=np.int64)  # row k − 1's keys, in slot order
+    kept = np.zeros(s, dtype=bool)
+    kept[:k] = True
+    n = round(churn * k)
+    for t in range(k, s):
+        slots = rng.choice(k, n, replace=False)
+        kept[sel[slots]] = False
+        new = rng.choice(np.flatnonzero(~kept[:t + 1]), n, replace=False)  # a dropped key may come back
+        kept[new] = True
+        sel[slots] = new
+        out[t] = sel
+    return torch.from_numpy(out)
+
+
+def locality(idx: torch.Tensor, group: int) -> dict:
+    """Mean shared keys of neighbouring rows / K (rows ≥ K) and mean distinct keys of a group of
+    `group` consecutive rows / (group · K) (groups of rows ≥ K)."""
+    x = idx.numpy()
+    k = x.shape[1]
+    full = x[k:]
+    if len(full) < group + 1:
+        return {}
+    a, b = np.sort(full[:-1], axis=1), np.sort(full[1:], axis=1)
+    shared = [np.intersect1d(p, q, assume_unique=True).size for p, q in zip(a[::64], b[::64])]
+    groups = full[:len(full) // group * group].reshape(-1, group * k)[::16]
+    union = [np.unique(g).size for g in groups]
+    return dict(neighbour_shared=round(float(np.mean(shared)) / k, 4),
+                group_union=round(float(np.mean(union)) / (group * k), 4))
+
+
+def bench(s, heads, churn, idx, reps, out):
+    fwd_mod, bwd_mod = B.upstream_mods()
+    gen = torch.Generator(device="cuda").manual_seed(s + heads)
+    q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
+    dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
+    idx = idx.cuda()
+    f_fl, b_fl = 2 * s * heads * B.TOPK * 1088, 2 * s * heads * B.TOPK * 2752
+    row = dict(S=s, H=heads, churn=churn)
+
+    # ours: the raw kernels, as bench_dsa's "ours" rows
+    used = B.ours_fwd.active_slots(idx)
+    of = lambda: B.ours_fwd.fwd(q, kv, idx, B.SCALE, used)  # noqa: E731
+    tf, _ = B.median_ms(of, reps)
+    o, lse = of()
+    ops = B.iface.ours_ops()
+    ob = lambda: ops.bwd(q.view(1, s, heads, 576), kv.view(1, s, 1, 576), o.view(1, s, heads, 512),  # noqa: E731
+                         dout.view(1, s, heads, 512), idx.view(1, s, 1, B.TOPK), lse.view(1, s, heads), B.SCALE, used)
+    tb, _ = B.median_ms(ob, max(3, reps // 2))
+    # upstream, direct (4-D layout), heads padded to its minimum as the autograd path pads them
+    hu = B.iface.kernel_heads(heads, B.iface.UPSTREAM_MIN_HEADS)
+    q4, kv4, idx4 = B.pad_heads(q, hu).view(1, s, hu, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, B.TOPK)
+    do4 = B.pad_heads(dout, hu).view(1, s, hu, 512)
+    uf = lambda: fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=B.SCALE, d_v=512)  # noqa: E731
+    uf_ms, _ = B.median_ms(uf, reps)
+    o_up, lse_up = uf()
+
+    def ub():
+        delta = bwd_mod.sparse_mla_delta(o_up, do4)
+        return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse_up, sm_scale=B.SCALE, delta=delta)
+
+    ub_ms, _ = B.median_ms(ub, max(3, reps // 2))
+    emit(out, "locality", **row, ours_fwd_ms=round(tf, 3), ours_fwd_tflops=round(f_fl / tf / 1e9, 1),
+         ours_bwd_ms=round(tb, 3), ours_bwd_tflops=round(b_fl / tb / 1e9, 1),
+         upstream_fwd_ms=round(uf_ms, 3), upstream_bwd_ms=round(ub_ms, 3),
+         upstream_bwd_tflops=round(b_fl / ub_ms / 1e9, 1), out_vs_upstream=B.rel(o, o_up[0, :, :heads]))
+    del q, kv, dout, o, lse, o_up, lse_up, q4, do4
+    torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="8192")
+    ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--churn", default="1,0.5,0.2,0.05")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_locality.json"))
+    a = ap.parse_args()
+    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    heads_list = [int(h) for h in a.heads.split(",")]
+    for s in (int(x) for x in a.seqs.split(",")):
+        for churn in (float(c) for c in a.churn.split(",")):
+            idx = sticky_topk(s, B.TOPK, churn)
+            groups = sorted({B.slot_union.token_group(h) for h in heads_list} | {4})
+            emit(a.out, "topk", S=s, churn=churn, **{f"group{g}": locality(idx, g) for g in groups})
+            for heads in heads_list:
+                bench(s, heads, churn, idx, a.reps, a.out)
+
+
+if __name__ == "__main__":
+    main()
