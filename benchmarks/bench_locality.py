@@ -19,7 +19,6 @@ bench_dsa.py counts them), all in one process.
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -29,17 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dsa as B  # noqa: E402  (sets up glm5_bridge.kernels without the model stack)
-
-ROWS = []
-
-
-def emit(out_path, kind, **row):
-    row = {"kind": kind, **row}
-    ROWS.append(row)
-    print("RESULT " + json.dumps(row), flush=True)
-    if out_path:
-        Path(out_path).write_text(json.dumps(ROWS, indent=1))
-
 
 def sticky_topk(s: int, k: int, churn: float, seed: int = 0) -> torch.Tensor:
     """[s, k] int32 causal top-k, used slots first, −1 after (see the module docstring)."""
@@ -79,7 +67,7 @@ def locality(idx: torch.Tensor, group: int) -> dict:
                 group_union=round(float(np.mean(union)) / (group * k), 4))
 
 
-def bench(s, heads, churn, idx, reps, out):
+def bench(s, heads, churn, idx, reps):
     fwd_mod, bwd_mod = B.upstream_mods()
     gen = torch.Generator(device="cuda").manual_seed(s + heads)
     q = torch.randn(s, heads, 576, device="cuda", generator=gen).bfloat16()
@@ -111,7 +99,7 @@ def bench(s, heads, churn, idx, reps, out):
         return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse_up, sm_scale=B.SCALE, delta=delta)
 
     ub_ms, _ = B.median_ms(ub, max(3, reps // 2))
-    emit(out, "locality", **row, ours_fwd_ms=round(tf, 3), ours_fwd_tflops=round(f_fl / tf / 1e9, 1),
+    B.emit("locality", **row, ours_fwd_ms=round(tf, 3), ours_fwd_tflops=round(f_fl / tf / 1e9, 1),
          ours_bwd_ms=round(tb, 3), ours_bwd_tflops=round(b_fl / tb / 1e9, 1),
          upstream_fwd_ms=round(uf_ms, 3), upstream_bwd_ms=round(ub_ms, 3),
          upstream_bwd_tflops=round(b_fl / ub_ms / 1e9, 1), out_vs_upstream=B.rel(o, o_up[0, :, :heads]))
@@ -127,15 +115,16 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_locality.json"))
     a = ap.parse_args()
+    B.OUT_PATH = a.out  # B.emit prints each row and rewrites this file with all of them
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     heads_list = [int(h) for h in a.heads.split(",")]
     for s in (int(x) for x in a.seqs.split(",")):
         for churn in (float(c) for c in a.churn.split(",")):
             idx = sticky_topk(s, B.TOPK, churn)
             groups = sorted({B.slot_union.token_group(h) for h in heads_list} | {4})
-            emit(a.out, "topk", S=s, churn=churn, **{f"group{g}": locality(idx, g) for g in groups})
+            B.emit("topk", S=s, churn=churn, **{f"group{g}": locality(idx, g) for g in groups})
             for heads in heads_list:
-                bench(s, heads, churn, idx, a.reps, a.out)
+                bench(s, heads, churn, idx, a.reps)
 
 
 if __name__ == "__main__":
