@@ -111,8 +111,9 @@ def select_topk_split(select, q, k, weights, starts, topk: int, group) -> torch.
     total = k.shape[0]
     chunk = -(-total // (2 * parts))
     rows = [(min(c * chunk, total), min((c + 1) * chunk, total)) for c in rank_chunks(group.rank(), parts)]
-    # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get
-    mine = torch.full((2 * chunk, topk), -1, dtype=torch.int32, device=k.device)
+    # int32 on the wire (indices < 2^31): half the bytes of the int64 callers get. Rows a chunk
+    # has past the last token stay unwritten: they land past `total` and are cut off below.
+    mine = torch.empty((2 * chunk, topk), dtype=torch.int32, device=k.device)
     for i, (a, b) in enumerate(rows):
         if b > a:
             mine[i * chunk:i * chunk + b - a] = select(q, k, weights, starts, topk, rows=(a, b))
