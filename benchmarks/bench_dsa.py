@@ -20,7 +20,8 @@ slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
 FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
 share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)).
-Dense: SDPA causal, bf16, [1, H, S, 256] q/k/v (H = --dense-heads, default 64); FLOPs counted for the causal half only:
+Dense: SDPA causal, bf16, [1, H, S, 256] q/k/v (H = --dense-heads, default 64), as SDPA chooses ("auto")
+and pinned to each fused backend (flash = FlashAttention-2, cudnn, efficient); FLOPs for the causal half only:
 fwd 2·S²·H·D (QKᵀ and PV, half the S² pairs), bwd 2.5 × fwd.
 Timings: median of CUDA-event times after warm-up; spread = max − min.
 """
@@ -47,7 +48,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the mod
 import importlib  # noqa: E402
 
 iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
-from timing import dense_attention, times_ms  # noqa: E402  (benchmarks/timing.py)
+from timing import SDPA_BACKENDS, dense_attention, sdpa_choice, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from glm5_bridge.kernels import slot_union  # noqa: E402
 from glm5_bridge.kernels import sparse_mla_bwd as ours_bwd  # noqa: E402
@@ -107,6 +108,49 @@ def upstream_mods():
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 
     return fwd_mod, bwd_mod
+
+
+def upstream_calls(fwd_mod, bwd_mod, q, kv, dout, idx):
+    """megatron-core's kernels called directly (4-D layout): (fwd, bwd from the fwd's lse, O of the
+    real heads). Below 16 heads on heads zero-padded to 16, as the autograd path pads them (its
+    backward's head tiles are unguarded)."""
+    s, heads = q.shape[:2]
+    hu = iface.kernel_heads(heads, iface.UPSTREAM_MIN_HEADS)
+    q4, kv4, idx4 = pad_heads(q, hu).view(1, s, hu, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, TOPK)
+    do4 = pad_heads(dout, hu).view(1, s, hu, 512)
+
+    def fwd():
+        return fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=SCALE, d_v=512)
+
+    o, lse = fwd()
+
+    def bwd():
+        delta = bwd_mod.sparse_mla_delta(o, do4)
+        return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse, sm_scale=SCALE, delta=delta)
+
+    return fwd, bwd, o[0, :, :heads]
+
+
+def ours_calls(q, kv, dout, idx, kernel_heads=None):
+    """Our kernels called directly, as SparseMLA calls them: (fwd, bwd from the fwd's lse, O of
+    the real heads); `kernel_heads` > H runs them on heads zero-padded to that many. The active
+    slot count (SparseMLA gets it from kernel_indices) is computed here, outside the timings."""
+    s, heads = q.shape[:2]
+    hk = kernel_heads or heads
+    qk, dk = pad_heads(q, hk), pad_heads(dout, hk)
+    n = ours_fwd.active_slots(idx)
+    ops = iface.ours_ops()
+
+    def fwd():
+        return ours_fwd.fwd(qk, kv, idx, SCALE, n)
+
+    o, lse = fwd()
+
+    def bwd():
+        return ops.bwd(qk.view(1, s, hk, 576), kv.view(1, s, 1, 576), o.view(1, s, hk, 512),
+                       dk.view(1, s, hk, 512), idx.view(1, s, 1, TOPK), lse.view(1, s, hk), SCALE, n)
+
+    return fwd, bwd, o[:, :heads]
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -211,49 +255,31 @@ def bench_sparse(seqs, heads_list, reps):
                              bwd_useful_tflops=round(useful * b_fl / bwd_ms / 1e9, 1))
                 emit("sparse_mla", **r)
 
-            # upstream, direct (4-D layout): fwd, then bwd from its lse; below 16 heads on heads
-            # zero-padded to 16 as the autograd path pads them (its backward's head tiles are unguarded)
-            hu = iface.kernel_heads(heads, iface.UPSTREAM_MIN_HEADS)
-            q4, kv4, idx4 = pad_heads(q, hu).view(1, s, hu, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, TOPK)
-            do4 = pad_heads(dout, hu).view(1, s, hu, 512)
-            uf = lambda: fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=SCALE, d_v=512)  # noqa: E731
+            uf, ub, o_up = upstream_calls(fwd_mod, bwd_mod, q, kv, dout, idx)
             tf, sf = median_ms(uf, reps)
-            o_up, lse_up = uf()
-
-            def ub():
-                delta = bwd_mod.sparse_mla_delta(o_up, do4)
-                return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse_up, sm_scale=SCALE, delta=delta)
-
             tb, sb = median_ms(ub, max(3, reps // 2))
             row("upstream", tf, sf, tb, sb)
 
-            # ours: raw kernel calls on the used-first slots and on the slots as drawn; below 16
-            # heads also with the heads zero-padded to 16 (what the autograd path ran before run AQ)
-            ops = iface.ours_ops()
+            # ours on the used-first slots and on the slots as drawn; below 16 heads also with the
+            # heads zero-padded to 16 (what the autograd path ran before run AQ)
             runs = [("ours", idx, heads), ("ours_interleaved", idx_drawn, heads)]
             runs += [("ours_padded16", idx, 16)] if heads < 16 else []
             for name, ix, hk in runs:
-                qk, dk = pad_heads(q, hk), pad_heads(dout, hk)
-                n = ours_fwd.active_slots(ix)  # SparseMLA gets it from kernel_indices: not timed here
-                of = lambda ix=ix, n=n, qk=qk: ours_fwd.fwd(qk, kv, ix, SCALE, n)  # noqa: E731
+                of, ob, o_ours = ours_calls(q, kv, dout, ix, hk)
                 tf, sf = median_ms(of, reps)
-                o_ours, lse_ours = of()
-                ob = lambda ix=ix, n=n, qk=qk, dk=dk, hk=hk: ops.bwd(  # noqa: E731
-                    qk.view(1, s, hk, 576), kv4, o_ours.view(1, s, hk, 512), dk.view(1, s, hk, 512),
-                    ix.view(1, s, 1, TOPK), lse_ours.view(1, s, hk), SCALE, n)
                 tb, sb = median_ms(ob, max(3, reps // 2))
-                row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours[:, :heads], o_up[0, :, :heads]))
+                row(name, tf, sf, tb, sb, out_vs_upstream=rel(o_ours, o_up))
             if heads >= 16:  # one token per CTA (the baselines below) needs 16-row tiles
                 cnt = ours_fwd.active_slots(idx_drawn)
                 nf = lambda: simple_fwd(heads, skip_empty=False)(q, kv, idx_drawn, cnt)  # noqa: E731
                 tf, sf = median_ms(nf, reps)
-                row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up[0, :, :heads]))
+                row("ours_fwd_noskip", tf, sf, out_vs_upstream=rel(nf()[0], o_up))
             if slot_union.token_group(heads) > 1 and heads >= 16:  # token groups against one token per CTA
                 cnt = ours_fwd.active_slots(idx)
                 for name, group in (("ours_fwd_per_token", 1), ("ours_fwd_simple_groups", slot_union.token_group(heads))):
                     pf = lambda g=group: simple_fwd(heads, g)(q, kv, idx, cnt)  # noqa: E731
                     tf, sf = median_ms(pf, reps)
-                    row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up[0, :, :heads]))
+                    row(name, tf, sf, out_vs_upstream=rel(pf()[0], o_up))
 
             # the autograd path the model runs (default ops), fwd and fwd+bwd
             qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
@@ -468,33 +494,48 @@ def bench_compile(heads=64, n=20):
 
 # ---------------------------------------------------------------------------------------------- dense
 def bench_dense(seqs, heads=64, dim=256, reps=10):
+    """SDPA's own choice ("auto", the bar the headline's below_dense uses), then each fused backend
+    pinned: the issue's 30 ms at 8K was measured on a slower one than torch 2.11 picks on Hopper."""
     for s in seqs:
-        f, fb = dense_attention(s, heads, dim)
-        tf, sf = median_ms(f, reps)
-        tfb, sfb = median_ms(fb, reps)
-        fl = 2 * s * s * heads * dim  # causal half of 4·S²·H·D
-        emit("dense_sdpa", S=s, H=heads, D=dim, fwd_ms=round(tf, 3), bwd_ms=round(tfb - tf, 3), fwd_bwd_ms=round(tfb, 3),
-             fwd_tflops=round(fl / tf / 1e9, 1), bwd_tflops=round(2.5 * fl / (tfb - tf) / 1e9, 1), spread_ms=round(sfb, 3))
-        del f, fb
-        torch.cuda.empty_cache()
+        picked = sdpa_choice(s, heads, dim)
+        for backend in (None, *SDPA_BACKENDS):
+            f, fb = dense_attention(s, heads, dim, backend=backend)
+            try:
+                tf, sf = median_ms(f, reps)
+                tfb, sfb = median_ms(fb, reps)
+            except RuntimeError as e:  # a backend that does not take these shapes on this GPU
+                print(f"dense {backend} S={s} H={heads}: {str(e).splitlines()[0][:200]}", flush=True)
+                continue
+            finally:
+                del f, fb
+                torch.cuda.empty_cache()
+            fl = 2 * s * s * heads * dim  # causal half of 4·S²·H·D
+            emit("dense_sdpa", S=s, H=heads, D=dim, backend=backend or "auto",
+                 **({"picks": picked} if backend is None else {}),
+                 fwd_ms=round(tf, 3), bwd_ms=round(tfb - tf, 3), fwd_bwd_ms=round(tfb, 3), fwd_tflops=round(fl / tf / 1e9, 1),
+                 bwd_tflops=round(2.5 * fl / (tfb - tf) / 1e9, 1), spread_ms=round(sfb, 3))
 
 
 def headline():
     """The issue's headline from this run's rows, where all parts ran: per S (and per head count
     with a dense row at it: 64 is the issue's, fewer are one rank's share under TP), our indexer
     (scores + top-k, 32 heads whatever H) + our sparse-MLA fwd + bwd (raw kernels on used-first
-    slots, the bwd with its delta kernel) against dense SDPA fwd + bwd at the same H."""
+    slots, the bwd with its delta kernel) against dense SDPA fwd + bwd at the same H: `below_dense`
+    against SDPA's own choice, and the total of every pinned backend that ran."""
     def pick(kind, **match):
         return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
 
     for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours"]:
         s, h = sparse["S"], sparse["H"]
-        index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s, H=h)
+        index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s, H=h, backend="auto")
         if index is None or dense is None or "bwd_ms" not in sparse:
             continue
         total = index["ms"] + sparse["fwd_ms"] + sparse["bwd_ms"]
+        pinned = {b: r["fwd_bwd_ms"] for b in SDPA_BACKENDS if (r := pick("dense_sdpa", S=s, H=h, backend=b))}
         emit("headline", S=s, H=h, indexer_ms=index["ms"], fwd_ms=sparse["fwd_ms"], bwd_ms=sparse["bwd_ms"],
-             total_ms=round(total, 2), dense_fwd_bwd_ms=dense["fwd_bwd_ms"], below_dense=total < dense["fwd_bwd_ms"])
+             total_ms=round(total, 2), dense_fwd_bwd_ms=dense["fwd_bwd_ms"], dense_picks=dense.get("picks"),
+             below_dense=total < dense["fwd_bwd_ms"], dense_pinned_fwd_bwd_ms=pinned,
+             below_pinned={b: total < ms for b, ms in pinned.items()})
 
 
 def main():

@@ -77,33 +77,17 @@ def bench(s, heads, churn, idx, reps):
     f_fl, b_fl = 2 * s * heads * B.TOPK * 1088, 2 * s * heads * B.TOPK * 2752
     row = dict(S=s, H=heads, churn=churn)
 
-    # ours: the raw kernels, as bench_dsa's "ours" rows
-    used = B.ours_fwd.active_slots(idx)
-    of = lambda: B.ours_fwd.fwd(q, kv, idx, B.SCALE, used)  # noqa: E731
+    of, ob, o = B.ours_calls(q, kv, dout, idx)  # the raw kernels, as bench_dsa's "ours" rows
+    uf, ub, o_up = B.upstream_calls(fwd_mod, bwd_mod, q, kv, dout, idx)
     tf, _ = B.median_ms(of, reps)
-    o, lse = of()
-    ops = B.iface.ours_ops()
-    ob = lambda: ops.bwd(q.view(1, s, heads, 576), kv.view(1, s, 1, 576), o.view(1, s, heads, 512),  # noqa: E731
-                         dout.view(1, s, heads, 512), idx.view(1, s, 1, B.TOPK), lse.view(1, s, heads), B.SCALE, used)
     tb, _ = B.median_ms(ob, max(3, reps // 2))
-    # upstream, direct (4-D layout), heads padded to its minimum as the autograd path pads them
-    hu = B.iface.kernel_heads(heads, B.iface.UPSTREAM_MIN_HEADS)
-    q4, kv4, idx4 = B.pad_heads(q, hu).view(1, s, hu, 576), kv.view(1, s, 1, 576), idx.view(1, s, 1, B.TOPK)
-    do4 = B.pad_heads(dout, hu).view(1, s, hu, 512)
-    uf = lambda: fwd_mod.sparse_mla_fwd_interface(q4, kv4, idx4, sm_scale=B.SCALE, d_v=512)  # noqa: E731
     uf_ms, _ = B.median_ms(uf, reps)
-    o_up, lse_up = uf()
-
-    def ub():
-        delta = bwd_mod.sparse_mla_delta(o_up, do4)
-        return bwd_mod.sparse_mla_bwd(q4, kv4, None, do4, idx4, lse_up, sm_scale=B.SCALE, delta=delta)
-
     ub_ms, _ = B.median_ms(ub, max(3, reps // 2))
     B.emit("locality", **row, ours_fwd_ms=round(tf, 3), ours_fwd_tflops=round(f_fl / tf / 1e9, 1),
          ours_bwd_ms=round(tb, 3), ours_bwd_tflops=round(b_fl / tb / 1e9, 1),
          upstream_fwd_ms=round(uf_ms, 3), upstream_bwd_ms=round(ub_ms, 3),
-         upstream_bwd_tflops=round(b_fl / ub_ms / 1e9, 1), out_vs_upstream=B.rel(o, o_up[0, :, :heads]))
-    del q, kv, dout, o, lse, o_up, lse_up, q4, do4
+         upstream_bwd_tflops=round(b_fl / ub_ms / 1e9, 1), out_vs_upstream=B.rel(o, o_up))
+    del q, kv, dout, o, o_up, of, ob, uf, ub
     torch.cuda.empty_cache()
 
 

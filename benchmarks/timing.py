@@ -29,20 +29,53 @@ def times_ms(fn, reps: int, warmup: int = 2, device: str = "cuda") -> list[float
     return out
 
 
-def dense_attention(s: int, heads: int, dim: int = 256, device: str = "cuda"):
+# SDPA's fused backends by the names the benchmarks use: "flash" is FlashAttention-2 inside torch,
+# "cudnn" cuDNN's fused attention, "efficient" the memory-efficient kernel; None lets SDPA choose
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+
+def dense_attention(s: int, heads: int, dim: int = 256, device: str = "cuda", backend: str | None = None):
     """The dense bar: causal SDPA over bf16 [1, heads, s, dim] q/k/v → (forward, forward + backward),
-    two calls to time."""
+    two calls to time. `backend` (one of SDPA_BACKENDS) pins SDPA to that kernel; None: SDPA's choice."""
+    import contextlib
+
     import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
 
     q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16)
+    pin = (lambda: sdpa_kernel(_sdpa_backend(backend))) if backend else contextlib.nullcontext
 
     def fwd():
-        with torch.no_grad():
+        with torch.no_grad(), pin():
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def fwd_bwd():
         q.grad = k.grad = v.grad = None
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+        with pin():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(do)
 
     return fwd, fwd_bwd
+
+
+def sdpa_choice(s: int, heads: int, dim: int = 256, device: str = "cuda") -> str:
+    """The fused backend SDPA picks by itself for dense_attention's inputs (its private chooser;
+    "unknown" where this torch lacks it)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.empty(1, heads, s, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    try:
+        choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
+    except (AttributeError, RuntimeError):
+        return "unknown"
+    names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn",
+             SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
+    return next((n for b, n in names.items() if int(b) == int(choice)), str(choice))
