@@ -103,6 +103,11 @@ def pad_heads(x, heads):
     return iface._pad_heads(x, heads)[0]
 
 
+def sparse_flops(s, heads):
+    """(fwd, bwd) FLOPs of sparse MLA over all TOPK slots: 2·S·H·K·(576+512), 2·S·H·K·(3·576+2·512)."""
+    return 2 * s * heads * TOPK * (576 + 512), 2 * s * heads * TOPK * (3 * 576 + 2 * 512)
+
+
 def upstream_mods():
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
     from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
@@ -240,7 +245,7 @@ def bench_sparse(seqs, heads_list, reps):
             idx = used_first(idx_drawn)
             dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
             useful = sum(min(t + 1, TOPK) for t in range(s)) / (s * TOPK)
-            f_fl, b_fl = 2 * s * heads * TOPK * 1088, 2 * s * heads * TOPK * 2752
+            f_fl, b_fl = sparse_flops(s, heads)
             base = dict(S=s, H=heads, topk=TOPK, useful=round(useful, 4), fwd_gflop=f_fl / 1e9, bwd_gflop=b_fl / 1e9)
 
             def row(impl, fwd_ms=None, fwd_sp=None, bwd_ms=None, bwd_sp=None, **extra):
@@ -379,7 +384,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
                 ref = ref or (dq, dkv)
                 emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                      dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                     tflops=round(2 * s * heads * TOPK * 2752 / t / 1e9, 1),
+                     tflops=round(sparse_flops(s, heads)[1] / t / 1e9, 1),
                      add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
             if group > 1:  # the token groups' union alone (in "fused" and "fused_torch_union")

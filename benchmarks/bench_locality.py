@@ -74,7 +74,7 @@ def bench(s, heads, churn, idx, reps):
     kv = torch.randn(s, 576, device="cuda", generator=gen).bfloat16()
     dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
     idx = idx.cuda()
-    f_fl, b_fl = 2 * s * heads * B.TOPK * 1088, 2 * s * heads * B.TOPK * 2752
+    f_fl, b_fl = B.sparse_flops(s, heads)
     row = dict(S=s, H=heads, churn=churn)
 
     of, ob, o = B.ours_calls(q, kv, dout, idx)  # the raw kernels, as bench_dsa's "ours" rows
