@@ -34,11 +34,12 @@ def times_ms(fn, reps: int, warmup: int = 2, device: str = "cuda") -> list[float
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 
 
-def _sdpa_backend(name: str):
+def _sdpa_backends() -> dict:
+    """The benchmarks' names → torch's SDPBackend (with "math", which SDPA may pick but is not timed)."""
     from torch.nn.attention import SDPBackend
 
     return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
 def dense_attention(s: int, heads: int, dim: int = 256, device: str = "cuda", backend: str | None = None):
@@ -51,7 +52,7 @@ def dense_attention(s: int, heads: int, dim: int = 256, device: str = "cuda", ba
 
     q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     do = torch.randn(1, heads, s, dim, device=device, dtype=torch.bfloat16)
-    pin = (lambda: sdpa_kernel(_sdpa_backend(backend))) if backend else contextlib.nullcontext
+    pin = (lambda: sdpa_kernel(_sdpa_backends()[backend])) if backend else contextlib.nullcontext
 
     def fwd():
         with torch.no_grad(), pin():
@@ -69,13 +70,9 @@ def dense_attention(s: int, heads: int, dim: int = 256, device: str = "cuda", ba
 def sdpa_choice(s: int, heads: int, dim: int = 256, device: str = "cuda") -> str:
     """The fused backend SDPA picks by itself for dense_attention's inputs (its private chooser;
     "unknown" where this torch lacks it)."""
-    from torch.nn.attention import SDPBackend
-
     q = torch.empty(1, heads, s, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     try:
         choice = torch._fused_sdp_choice(q, q, q, is_causal=True)
     except (AttributeError, RuntimeError):
         return "unknown"
-    names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn",
-             SDPBackend.EFFICIENT_ATTENTION: "efficient", SDPBackend.MATH: "math"}
-    return next((n for b, n in names.items() if int(b) == int(choice)), str(choice))
+    return next((n for n, b in _sdpa_backends().items() if int(b) == int(choice)), str(choice))
