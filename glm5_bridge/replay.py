@@ -3,20 +3,22 @@
 Modes (per forward, decided by the innermost context):
 - off (no context): every computing layer runs its lightning indexer, as before.
 - record: `with IndexerReplay.recording() as rec:` computes as usual and keeps a CPU int32 copy of
-  each computing decoder layer's top-k; `rec.requests()` gives them per sequence.
+  each computing decoder layer's top-k; `rec.requests()` gives them per sequence,
+  `rec.sglang_meta()` in sglang's wire form.
 - replay: `with IndexerReplay.replaying(requests):` skips the indexer and uses the given top-k.
   `IndexerReplay.attach(packed_seq_params, requests)` does the same for one micro-batch without a
   context (for megatron's pipeline schedules: call it in forward_step_func).
 
-    with IndexerReplay.replaying([RequestTopk.from_sglang(r["meta_info"], index_topk=2048), ...]):
+    layout = ReplayLayout.from_hf_config(hf_config)         # glm5_bridge.payload
+    with IndexerReplay.replaying([RequestTopk.from_sglang(r["meta_info"], layout, len(tokens)), ...]):
         loss = loss_fn(model(input_ids=..., packed_seq_params=psp, ...))
     loss.backward()
 
-Which layers are in a payload: the computing ("full") decoder layers, in order; slot j is the
-(j+1)-th full layer (sglang's `indexer_topk_num_layers` counts these). IndexShare "shared" layers
-are not in the payload: they reuse their source layer's top-k, which is the replayed one. The MTP
-layer is not in the payload either and always computes its own top-k (sglang reports main-model
-layers only), in every mode.
+Which layers are in a payload: a `RequestTopk` (glm5_bridge/payload.py, which also decodes and
+encodes sglang's wire form) holds the computing ("full") decoder layers, in order; slot j is the
+(j+1)-th full layer. IndexShare "shared" layers reuse their source layer's top-k, which is the
+replayed one. The MTP layer is not in payloads and always computes its own top-k (sglang reports
+main-model layers only), in every mode.
 
 Backward: the attention keeps the top-k index tensor in its autograd graph, so backward uses the
 forward's indices. Activation recompute reruns the layer and must find the same top-k: the session
@@ -29,23 +31,16 @@ per-micro-batch carrier (megatron passes neither mask nor position ids to the co
 their recompute outside the context follows the most recent bshd context, so keep backward inside
 the context for bshd. `IndexerReplay.mode()` reports the innermost context only.
 
-Payload of one request (`RequestTopk`): int32 [rows, num_layers, index_topk], request-local key
-positions, −1 = unused slot. Row i is the top-k of the query at position i. sglang returns
-rows = len(tokens) − 1 (the last token was never fed). A micro-batch sequence of n tokens (thd:
-`cu_seqlens_q`; padding from `cu_seqlens_q_padded` comes on top) accepts n − 1 <= rows <= padded
-length. Rows the payload does not cover (the final position when training on all of `tokens`, and
-padding) get the window of the index_topk most recent keys: a valid row that always holds the self
-key; these positions only predict past the sample's end, so the choice never enters the loss.
-Training on tokens[:-1] lines the rows up exactly.
+Payload of one request: int32 [rows, computing layers, index_topk], request-local key positions,
+−1 = unused slot. Row i is the top-k of the query at position i. sglang returns rows = len(tokens)
+− 1 (the last token was never fed). A micro-batch sequence of n tokens (thd: `cu_seqlens_q`; padding
+from `cu_seqlens_q_padded` comes on top) accepts n − 1 <= rows <= padded length. Rows the payload
+does not cover (the final position when training on all of `tokens`, and padding) get the window of
+the index_topk most recent keys: a valid row that always holds the self key; these positions only
+predict past the sample's end, so the choice never enters the loss. Training on tokens[:-1] lines
+the rows up exactly.
 A row of all −1 means "not reported" (e.g. an engine that skipped a cached prefix): with
 on_missing="compute" (default) the layer's own indexer fills those rows; "error" rejects them.
-
-sglang form: `meta_info.indexer_topk` = base64 of the int32 little-endian array above,
-`meta_info.indexer_topk_num_layers` = num_layers (`RequestTopk.from_sglang` / `.to_sglang`).
-On-disk form (one file per sample, `RequestTopk.save` / `.load`): a safetensors file with one
-tensor "indexer_topk" (int32 [rows, num_layers, index_topk], as above) and metadata
-format="glm5-indexer-topk", version="1", positions="request-local", sample_id (optional).
-`load` reads lazily: one layer's rows are read from the file when that layer needs them.
 
 Memory: payloads stay int32 on the host; each layer moves only its own [rows, index_topk] slice
 to the device (as int64 flat indices, which its attention keeps for backward, as without replay).
@@ -56,106 +51,16 @@ duplicate key in a row.
 
 from __future__ import annotations
 
-import base64
-import sys
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from glm5_bridge.attention import index_share
+from glm5_bridge.payload import ReplayLayout, RequestTopk
 
 _ATTR = "_glm5_replay"
-FILE_FORMAT = "glm5-indexer-topk"
-
-
-class RequestTopk:
-    """Top-k of one request: int32 [rows, num_layers, index_topk], request-local, −1 padded."""
-
-    def __init__(self, topk: torch.Tensor, sample_id: str | None = None):
-        if topk.dim() != 3 or topk.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"indexer replay: request {sample_id!r}: top-k must be an int tensor "
-                             f"[rows, num_layers, index_topk], got {topk.dtype} {tuple(topk.shape)}")
-        self._topk = topk.to("cpu", torch.int32)
-        self._path = None
-        self.shape = tuple(self._topk.shape)
-        self.sample_id = sample_id
-
-    rows = property(lambda self: self.shape[0])
-    num_layers = property(lambda self: self.shape[1])
-    index_topk = property(lambda self: self.shape[2])
-
-    def layer(self, slot: int) -> torch.Tensor:
-        """[rows, index_topk] int32 of the slot-th computing layer (read from disk if lazy)."""
-        if self._path is None:
-            return self._topk[:, slot]
-        from safetensors import safe_open
-
-        with safe_open(self._path, "pt") as f:
-            return f.get_slice("indexer_topk")[:, slot, :]
-
-    def tensor(self) -> torch.Tensor:
-        return torch.stack([self.layer(j) for j in range(self.num_layers)], 1) if self._path else self._topk
-
-    # --- sglang ---
-    @classmethod
-    def from_sglang(cls, meta_info: dict, index_topk: int | None = None, num_tokens: int | None = None,
-                    sample_id: str | None = None) -> "RequestTopk":
-        """Decode `meta_info.indexer_topk`; rows come from num_tokens − 1, else from index_topk."""
-        layers = int(meta_info["indexer_topk_num_layers"])
-        raw = base64.b64decode(meta_info["indexer_topk"])
-        if sys.byteorder != "little":
-            raise NotImplementedError("indexer replay: sglang payloads are little-endian; big-endian host")
-        if num_tokens is None and "prompt_tokens" in meta_info and "completion_tokens" in meta_info:
-            num_tokens = int(meta_info["prompt_tokens"]) + int(meta_info["completion_tokens"])
-        n = len(raw) // 4
-        per_row = None if num_tokens is None else (num_tokens - 1) * layers
-        width = index_topk if index_topk is not None else (n // per_row if per_row else None)
-        if width is None:
-            raise ValueError(f"indexer replay: request {sample_id!r}: pass index_topk or num_tokens to decode")
-        if len(raw) % 4 or n % (layers * width) or (per_row is not None and n != per_row * width):
-            raise ValueError(f"indexer replay: request {sample_id!r}: {len(raw)} payload bytes do not fit "
-                             f"(len(tokens) − 1 = {None if num_tokens is None else num_tokens - 1}, "
-                             f"{layers} layers, top-k {width}) int32")
-        with warnings.catch_warnings():  # read-only bytes: zero-copy view, we never write to it
-            warnings.simplefilter("ignore")
-            flat = torch.frombuffer(raw, dtype=torch.int32) if n else torch.empty(0, dtype=torch.int32)
-        return cls(flat.view(n // (layers * width), layers, width), sample_id)
-
-    def to_sglang(self) -> dict:
-        data = self.tensor().contiguous().numpy().astype("<i4").tobytes()
-        return {"indexer_topk": base64.b64encode(data).decode("ascii"), "indexer_topk_num_layers": self.num_layers}
-
-    # --- on disk ---
-    def save(self, path: str | Path) -> None:
-        from safetensors.torch import save_file
-
-        meta = {"format": FILE_FORMAT, "version": "1", "positions": "request-local"}
-        if self.sample_id is not None:
-            meta["sample_id"] = str(self.sample_id)
-        save_file({"indexer_topk": self.tensor().contiguous()}, str(path), metadata=meta)
-
-    @classmethod
-    def load(cls, path: str | Path, lazy: bool = True) -> "RequestTopk":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FILE_FORMAT or meta.get("version") != "1":
-                raise ValueError(f"indexer replay: {path}: not a {FILE_FORMAT} v1 file (metadata {meta})")
-            sl = f.get_slice("indexer_topk")
-            shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
-            topk = None if lazy else f.get_tensor("indexer_topk")
-        if dtype != "I32" or len(shape) != 3:
-            raise ValueError(f"indexer replay: {path}: indexer_topk must be int32 3-D, got {dtype} {shape}")
-        if not lazy:
-            return cls(topk, meta.get("sample_id"))
-        req = cls(torch.empty(0, 0, 0, dtype=torch.int32), meta.get("sample_id"))
-        req._path, req.shape = str(path), shape  # layer() reads from the file from now on
-        return req
 
 
 @dataclass
@@ -163,6 +68,7 @@ class RecordedForward:
     """One micro-batch forward seen by a recording: flat top-k per payload slot (CPU int32)."""
     starts: torch.Tensor
     num_slots: int
+    layout: ReplayLayout
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -184,6 +90,13 @@ class Recording:
             part = flat[a:a + n]
             out.append(RequestTopk(torch.where(part >= 0, part - a, -1)))
         return out
+
+    def sglang_meta(self, forward: int = -1) -> list[dict]:
+        """A forward's sequences as sglang returns them for requests of exactly these tokens (no
+        padding): len(tokens) − 1 rows (the last position is never fed to an engine), one slot per
+        decoder layer, `indexer_topk_num_layers`."""
+        layout = self.forwards[forward].layout
+        return [RequestTopk(r.tensor()[:-1]).to_sglang(layout) for r in self.requests(forward)]
 
 
 class _Session:
@@ -272,7 +185,7 @@ def resolve(layer, starts: torch.Tensor, carrier: tuple, compute: Callable[[], t
         if kept is not None and _in_backward():  # recompute: exactly the forward's top-k
             return kept.to(starts.device, torch.int64)
         if bound.recorded is None or kept is not None:  # a new forward (bshd ones share a carrier)
-            bound.recorded = RecordedForward(starts.cpu(), num_slots)
+            bound.recorded = RecordedForward(starts.cpu(), num_slots, ReplayLayout.from_model_config(layer.config))
             bound.session.recording.forwards.append(bound.recorded)
         topk = compute()
         bound.recorded.topk[slot] = topk.to("cpu", torch.int32)

@@ -391,12 +391,27 @@ def rl_empty_sequence(ctx):
 
 def replay_payload_wrong_shape(ctx):
     payload = base64.b64encode(torch.arange(7, dtype=torch.int32).numpy().tobytes()).decode()
-    row = _rollout([5, 6, 7, 8, 9, 10], meta_info={"indexer_topk": payload, "indexer_topk_num_layers": 2,
-                                                   "prompt_tokens": 3, "completion_tokens": 3})
+    row = _rollout([5, 6, 7, 8, 9, 10], meta_info={"indexer_topk": payload, "prompt_tokens": 3, "completion_tokens": 3})
     data = _jsonl(ctx.tmp / "rollouts.jsonl", [row])
     return Case(_rl(ctx.good, ctx.tmp / "run", data),
-                f"indexer replay: request '{data}:1': 28 payload bytes do not fit (len(tokens) − 1 = 5, 2 layers, "
-                "top-k 8) int32", [ctx.tmp / "run"])
+                f"indexer replay: request '{data}:1': indexer_topk holds 7 int32, which fits neither 7 decoder layers "
+                "nor 4 computing layers × (len(tokens) − 1 = 5) rows × index_topk 8", [ctx.tmp / "run"])
+
+
+def replay_payload_kv_coordinates(ctx):
+    """sglang 0.5.23's release sends KV-cache slots, not positions: refused, saying so."""
+    tokens = [5, 6, 7, 8, 9, 10]
+    slots = torch.tensor([40, 17, 3, 29, 11, 8])  # the KV slot of each position
+    keys = torch.full((5, 7, 8), -1, dtype=torch.int32)
+    for i in range(5):
+        keys[i, :, : i + 1] = slots[: i + 1].to(torch.int32)
+    payload = base64.b64encode(keys.numpy().tobytes()).decode()
+    data = _jsonl(ctx.tmp / "rollouts.jsonl", [_rollout(tokens, meta_info={"indexer_topk": payload})])
+    return Case(_rl(ctx.good, ctx.tmp / "run", data),
+                f"indexer replay: request '{data}:1', model.layers.0: row 0 selects key 40, after its own position 0: "
+                "this looks like KV-cache coordinates, not positions. sglang's 0.5.23 release returns KV-cache "
+                "coordinates; R3 needs request-local positions, as the sglang build miles uses returns them "
+                "(sglang PR 26684, see docs/replay.md)", [ctx.tmp / "run"])
 
 
 def export_target_exists(ctx):
@@ -518,7 +533,8 @@ CASES = [wrong_model_type, wrong_architecture, missing_config, config_not_json, 
          integer_tensor, pickle_weights_only, unknown_preset, unknown_source, preset_without_weights,
          recipe_typo_override, recipe_typo_in_file, recipe_wrong_type, recipe_section_not_a_mapping, recipe_not_yaml,
          missing_dataset, dataset_not_json, sft_token_id_beyond_vocab, rl_token_id_beyond_vocab, sft_empty_sample,
-         sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, export_target_exists, export_disk_full,
+         sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, replay_payload_kv_coordinates, export_target_exists,
+         export_disk_full,
          checkpoint_save_disk_full, trainer_checkpoint_pickle, megatron_metadata_pickle, megatron_extra_state_pickle,
          megatron_weights_truncated,
          convert_target_exists]

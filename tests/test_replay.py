@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
+from glm5_bridge.payload import ReplayLayout
 from glm5_bridge.replay import IndexerReplay, RequestTopk
 from glm5_bridge.testing import load_hf, load_megatron, packed_seq_params
 
@@ -226,17 +227,25 @@ def test_mangled_replay_matches_forced_transformers(model, path):
 # --- formats --------------------------------------------------------------------------------------
 
 def test_sglang_encoding_layout():
-    t = torch.randint(-1, 50, (5, 3, 4), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    meta = RequestTopk(t).to_sglang()
+    """sglang's form: row-major int32 LE over every decoder layer, a shared layer carrying a copy of
+    its source's slot; decoding takes the computing layers back, with or without the layer count."""
+    layout = ReplayLayout(("full", "full", "shared", "full"), index_topk=4)
+    t = _random_causal(5, 3, 4, seed=0)
+    meta = RequestTopk(t).to_sglang(layout)
     raw = base64.b64decode(meta["indexer_topk"])
-    assert meta["indexer_topk_num_layers"] == 3
-    assert list(struct.unpack(f"<{t.numel()}i", raw)) == t.flatten().tolist()  # row-major, int32 LE
-    assert torch.equal(RequestTopk.from_sglang(meta, index_topk=4).tensor(), t)
-    assert torch.equal(RequestTopk.from_sglang(meta, num_tokens=6).tensor(), t)
+    assert meta["indexer_topk_num_layers"] == 4
+    every = t[:, [0, 1, 1, 2]]
+    assert list(struct.unpack(f"<{every.numel()}i", raw)) == every.flatten().tolist()
+    assert torch.equal(RequestTopk.from_sglang(meta, layout, num_tokens=6).tensor(), t)
+    assert torch.equal(RequestTopk.from_sglang(meta, layout).tensor(), t)  # rows from the layer count
+    del meta["indexer_topk_num_layers"]
+    assert torch.equal(RequestTopk.from_sglang(meta, layout, num_tokens=6).tensor(), t)
     meta.update(prompt_tokens=2, completion_tokens=4)
-    assert torch.equal(RequestTopk.from_sglang(meta).tensor(), t)
-    with pytest.raises(ValueError, match=r"request 'x'.*do not fit .*len\(tokens\) − 1 = 6"):
-        RequestTopk.from_sglang(meta, num_tokens=7, sample_id="x")
+    assert torch.equal(RequestTopk.from_sglang(meta, layout).tensor(), t)
+    with pytest.raises(ValueError, match=r"^indexer replay: request 'x': indexer_topk holds 80 int32, which fits "
+                                         r"neither 4 decoder layers nor 3 computing layers × \(len\(tokens\) − 1 = 6\) "
+                                         r"rows × index_topk 4$"):
+        RequestTopk.from_sglang(meta, layout, num_tokens=7, sample_id="x")
 
 
 def test_sglang_round_trip_packed_index_share(model, tmp_path):
@@ -244,10 +253,13 @@ def test_sglang_round_trip_packed_index_share(model, tmp_path):
     JSON), decode, replay on all tokens with other indexer weights: every position but each
     request's last reproduces the recording. The on-disk form round-trips too."""
     seqs = _seqs(seed=6)
-    recorded, reqs = _record(model, seqs, backward=False)
-    metas = [json.loads(json.dumps(RequestTopk(r.tensor()[:-1]).to_sglang())) for r in reqs]
-    assert all(m["indexer_topk_num_layers"] == 4 for m in metas)
-    decoded = [RequestTopk.from_sglang(m, num_tokens=len(s), sample_id=f"s{i}")
+    with IndexerReplay.recording() as rec:
+        recorded = _step(model, seqs, backward=False)
+    reqs, rec_metas = rec.requests(), rec.sglang_meta()
+    layout = ReplayLayout.from_model_config(model.config)
+    metas = [json.loads(json.dumps(m)) for m in rec_metas]
+    assert all(m["indexer_topk_num_layers"] == 7 for m in metas)  # every decoder layer, as sglang sends
+    decoded = [RequestTopk.from_sglang(m, layout, len(s), sample_id=f"s{i}")
                for i, (m, s) in enumerate(zip(metas, seqs))]
     for d, r in zip(decoded, reqs):
         assert torch.equal(d.tensor(), r.tensor()[:-1])

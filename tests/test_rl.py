@@ -50,13 +50,13 @@ def test_identical_policy_gives_ratio_one_and_zero_kl(tiny_checkpoint, rollout_f
 def test_replay_payload_is_what_training_attends_to(tiny_checkpoint, rollout_file):
     """The replayed top-k decides the logprobs: shuffling the payload's keys within each causal
     window changes them, the untouched payload reproduces the rollout."""
-    from glm5_bridge.replay import RequestTopk
+    from glm5_bridge.payload import ReplayLayout, RequestTopk
     from glm5_bridge.testing import load_megatron
     from glm5_bridge.train.rl import load_rollouts, policy_logprobs, rollout_batch
 
     _, model = load_megatron(tiny_checkpoint("GLM-5.2"))
     model.eval()
-    samples = load_rollouts(rollout_file, model.vocab_size, model.config.dsa_indexer_topk)
+    samples = load_rollouts(rollout_file, model.vocab_size, ReplayLayout.from_model_config(model.config))
     batch = rollout_batch(samples[:3], model.vocab_size)
     mask = batch.loss_mask[0]
     with torch.no_grad():
@@ -75,13 +75,14 @@ def test_replay_payload_is_what_training_attends_to(tiny_checkpoint, rollout_fil
 
 
 def test_bad_rollout_rows_are_named(tmp_path):
+    from glm5_bridge.payload import ReplayLayout
     from glm5_bridge.train.rl import load_rollouts
 
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"tokens": [1, 2, 3], "loss_mask": [0, 1], "rollout_logprobs": [0, 0, 0],
                                 "reward": 1}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: loss_mask has 2 entries, tokens has 3"):
-        load_rollouts(path, 256, 8)
+        load_rollouts(path, 256, ReplayLayout(("full",), 8))
 
 
 def test_colocated_loop_replay_on_and_off(tiny_checkpoint, tmp_path):
@@ -105,13 +106,15 @@ def test_moe_routing_replay_restores_the_rollout_experts(tiny_checkpoint, rollou
     """Record each token's experts, move every router's bias so it would route elsewhere, then
     replay the recorded experts from an sglang-style `routed_experts` payload: the logprobs come
     back; computing the routing does not."""
-    from glm5_bridge.routing_replay import encode_routed_experts, recording_routes
+    from glm5_bridge.payload import ReplayLayout, encode_routed_experts
+    from glm5_bridge.routing_replay import recording_routes
     from glm5_bridge.testing import load_megatron
     from glm5_bridge.train.rl import load_rollouts, policy_logprobs, rollout_batch
 
     _, model = load_megatron(tiny_checkpoint("GLM-5.2"), moe_enable_routing_replay=True)
     model.eval()
-    samples = load_rollouts(rollout_file, model.vocab_size, model.config.dsa_indexer_topk)[:3]
+    layout = ReplayLayout.from_model_config(model.config)
+    samples = load_rollouts(rollout_file, model.vocab_size, layout)[:3]
     batch = rollout_batch(samples, model.vocab_size)
     with torch.no_grad(), recording_routes(model) as recorded:
         reference = policy_logprobs(model, batch, replay=True)
@@ -120,11 +123,11 @@ def test_moe_routing_replay_restores_the_rollout_experts(tiny_checkpoint, rollou
     for s in samples:
         n = len(s.tokens)
         rows.append({"tokens": s.tokens, "loss_mask": s.loss_mask, "rollout_logprobs": s.rollout_logprobs,
-                     "advantage": 0.0, "meta_info": {"routed_experts": encode_routed_experts(routes[start:start + n - 1])}})
+                     "advantage": 0.0, "meta_info": {"routed_experts": encode_routed_experts(routes[start:start + n - 1], layout)}})
         start += n
     path = tmp_path / "routed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    replayed_samples = load_rollouts(path, model.vocab_size, model.config.dsa_indexer_topk, moe_topk=2)
+    replayed_samples = load_rollouts(path, model.vocab_size, layout)
     replay_batch = rollout_batch(replayed_samples, model.vocab_size)
     assert replay_batch.routes is not None and replay_batch.routes[0].shape[1] == 6  # 6 MoE layers
 

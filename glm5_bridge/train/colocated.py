@@ -21,7 +21,7 @@ import torch
 
 from glm5_bridge.convert import atomic_write_text
 from glm5_bridge.data import arithmetic_problems
-from glm5_bridge.replay import RequestTopk
+from glm5_bridge.payload import ReplayLayout, RequestTopk
 from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
@@ -53,12 +53,13 @@ def sync_weights(bridge, model, hf_model) -> None:
 
 class IndexerCapture:
     """Hooks every indexer of a transformers GlmMoeDsa model and assembles, per generated request,
-    the sglang-style payload: int32 [len(tokens) − 1, n_full_layers, index_topk], request-local key
-    positions, −1 padded."""
+    its top-k: int32 [len(tokens) − 1, computing layers, index_topk], request-local key positions,
+    −1 padded (`RequestTopk.to_sglang(capture.layout)` gives sglang's every-layer form)."""
 
     def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
         self.indexers = [layer.self_attn.indexer for layer in hf_model.model.layers if layer.self_attn.indexer is not None]
-        self.topk = hf_model.config.index_topk
+        self.layout = ReplayLayout.from_hf_config(hf_model.config)
+        self.topk = self.layout.index_topk
         self.dtype = dtype
         self.rows: list[list[torch.Tensor]] = []
 
@@ -134,7 +135,7 @@ def generate_rollouts(hf_model, tokenizer, problems, capture: IndexerCapture, ma
         row = {"tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(completion),
                "rollout_logprobs": logprobs, "reward": answer_reward(tokenizer, problem, completion),
                "group": problem["messages"][0]["content"],
-               "meta_info": {**payload.to_sglang(), "prompt_tokens": len(prompt),
+               "meta_info": {**payload.to_sglang(capture.layout), "prompt_tokens": len(prompt),
                              "completion_tokens": len(completion)}}
         rows.append(row)
     return rows
@@ -165,7 +166,7 @@ def colocated_rl(recipe: Recipe) -> dict:
         chosen = problems[step * rl.prompts_per_step:(step + 1) * rl.prompts_per_step]
         rows = generate_rollouts(hf_model, tokenizer, [p for p in chosen for _ in range(rl.samples_per_prompt)],
                                  capture, rl.max_new_tokens, generator)
-        rollouts = [Rollout(r, f"step {step + 1} rollout {i}", model.vocab_size, capture.topk)
+        rollouts = [Rollout(r, f"step {step + 1} rollout {i}", model.vocab_size, capture.layout)
                     for i, r in enumerate(rows)]
         _fill_advantages(rollouts)
         batch = rollout_batch(rollouts, model.vocab_size)

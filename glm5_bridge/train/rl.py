@@ -7,7 +7,8 @@ Rollout jsonl, one sample per line:
     advantage         per sample; or `reward` (+ optional `group`): advantages are then the rewards
                       normalised within each group (GRPO), all samples being one group by default
     meta_info         optional sglang meta_info with `indexer_topk` (+ `indexer_topk_num_layers`) and/or
-                      `routed_experts`: replayed in training when `rl.replay` is on
+                      `routed_experts` (+ `routed_experts_start_len`), decoded and checked by
+                      glm5_bridge/payload.py; replayed in training when `rl.replay` is on
                       (glm5_bridge/replay.py, glm5_bridge/routing_replay.py)
 
 Loss per response token: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), ρ = exp(log p_θ − log p_rollout), plus
@@ -28,8 +29,9 @@ import torch
 from glm5_bridge.config import load_hf_config
 from glm5_bridge.convert import atomic_write_text
 from glm5_bridge.data import greedy_groups, pack, read_jsonl
-from glm5_bridge.replay import IndexerReplay, RequestTopk
-from glm5_bridge.routing_replay import decode_routed_experts, replaying_routes
+from glm5_bridge.payload import ReplayLayout, RequestTopk, decode_routed_experts
+from glm5_bridge.replay import IndexerReplay
+from glm5_bridge.routing_replay import replaying_routes
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import adapters_off, build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
 from glm5_bridge.train.recipe import Recipe
@@ -39,7 +41,7 @@ from glm5_bridge.validate import validate_checkpoint
 class Rollout:
     """One sample of a rollout file, validated."""
 
-    def __init__(self, row: dict, where: str, vocab_size: int, index_topk: int, moe_topk: int = 0):
+    def __init__(self, row: dict, where: str, vocab_size: int, layout: ReplayLayout):
         for key in ("tokens", "loss_mask", "rollout_logprobs"):
             if key not in row:
                 raise ValueError(f"{where}: missing key {key!r}")
@@ -61,20 +63,20 @@ class Rollout:
             raise ValueError(f"{where}: needs 'advantage' or 'reward'")
         self.group = row.get("group", "")
         meta = row.get("meta_info") or {}
-        self.topk = (RequestTopk.from_sglang(meta, index_topk=index_topk, sample_id=where)
+        self.topk = (RequestTopk.from_sglang(meta, layout, n, sample_id=where)
                      if meta.get("indexer_topk") else None)
-        self.routes = (decode_routed_experts(meta, n, moe_topk, where)
-                       if meta.get("routed_experts") and moe_topk else None)
+        self.routes = (decode_routed_experts(meta, layout, n, sample_id=where)
+                       if meta.get("routed_experts") and layout.moe_topk else None)
 
 
-def load_rollouts(path, vocab_size: int, index_topk: int, limit: int = 0, moe_topk: int = 0) -> list[Rollout]:
+def load_rollouts(path, vocab_size: int, layout: ReplayLayout, limit: int = 0) -> list[Rollout]:
     rows = read_jsonl(path)[: limit or None]
     if not rows:
         raise ValueError(f"{path}: no rollouts")
     samples = []
     for i, row in enumerate(rows):
         try:
-            samples.append(Rollout(row, f"{path}:{i + 1}", vocab_size, index_topk, moe_topk))
+            samples.append(Rollout(row, f"{path}:{i + 1}", vocab_size, layout))
         except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong kind
             raise ValueError(f"{path}:{i + 1}: malformed rollout ({type(e).__name__}: {e})") from None
     _fill_advantages(samples)
@@ -116,8 +118,7 @@ def policy_logprobs(model, batch, replay: bool) -> torch.Tensor:
         if replay and batch.replay is not None:
             stack.enter_context(IndexerReplay.replaying(batch.replay))
         if replay and getattr(batch, "routes", None) is not None:
-            c = model.config
-            stack.enter_context(replaying_routes(model, batch.routes, c.num_moe_experts, c.moe_layer_freq.index(1)))
+            stack.enter_context(replaying_routes(model, batch.routes))
         return token_logprobs(model, batch)
 
 
@@ -174,8 +175,7 @@ def train_rl(recipe: Recipe) -> dict:
     # Inputs first (cheap, one-line errors), then the model, then the output folder.
     validate_checkpoint(recipe.model.checkpoint)
     hf = load_hf_config(recipe.model.checkpoint)
-    samples = load_rollouts(recipe.data.train, hf.vocab_size, hf.index_topk, recipe.data.limit,
-                            hf.num_experts_per_tok)
+    samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit)
     groups = _micro_batches(samples, recipe.data.max_tokens)
     routes = recipe.rl.replay and all(s.routes is not None for s in samples)
     bridge, model, params = build_policy(recipe, **({"moe_enable_routing_replay": True} if routes else {}))
