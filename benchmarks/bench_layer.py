@@ -11,7 +11,7 @@ instead of 154880, no MTP layer. Layers 0-2 have dense MLPs (first_k_dense_repla
 5 layers, 0-2 run an indexer and 3-4 reuse layer 2's top-k.
   layer:  1-layer model (embedding, one DSA layer with dense MLP, output layer), fwd and fwd+bwd
           over one packed micro-batch (thd), all parameters trainable;
-  lora:   5-layer model with LoRA on the MLA projections (glm5_bridge.lora defaults), one optimizer
+  lora:   5-layer model with LoRA on the MLA projections (glm5_bridge.train.lora defaults), one optimizer
           step per micro-batch: tokens/s.
 Backends: "tilelang" with $GLM5_DSA_KERNELS=ours and =upstream, and "megatron" (unfused) where
 it fits (the 1-layer model at ≤ 8K tokens). Medians of CUDA-event times after a warm-up.
@@ -41,7 +41,7 @@ def emit(out_path, **row):
 
 
 def write_config(folder: Path, layers: int, smoke: bool) -> Path:
-    from glm5_bridge.config import load_preset_dict
+    from glm5_bridge.model.config import load_preset_dict
 
     cfg = load_preset_dict("GLM-5.2")
     cfg.update(num_hidden_layers=layers, n_routed_experts=8, num_experts_per_tok=2, vocab_size=32768,
@@ -66,7 +66,7 @@ def build(path, backend, smoke):
 
 
 def batch(lengths, vocab, device):
-    from glm5_bridge.data import packed_seq_params
+    from glm5_bridge.train.data import packed_seq_params
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (sum(lengths),), generator=g).to(device)[None]
@@ -108,7 +108,7 @@ def bench_layer(path, backend, lengths, reps, device, smoke, out):
 
 
 def bench_lora(path, backend, lengths, reps, device, smoke, out):
-    from glm5_bridge.lora import apply_lora, lora_parameters
+    from glm5_bridge.train.lora import apply_lora, lora_parameters
 
     model = build(path, backend, smoke)
     apply_lora(model)

@@ -48,8 +48,8 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge's attention and kernels
 
 from timing import dense_attention, times_ms  # noqa: E402  (benchmarks/timing.py)
 
-from glm5_bridge.attention import backends, token_parallel  # noqa: E402
-from glm5_bridge.attention.topk import row_bounds, select_topk_split  # noqa: E402
+from glm5_bridge.model.attention import backends, token_parallel  # noqa: E402
+from glm5_bridge.model.attention.topk import row_bounds, select_topk_split  # noqa: E402
 from glm5_bridge.kernels import indexer  # noqa: E402
 from glm5_bridge.kernels.reference import random_causal_topk  # noqa: E402
 

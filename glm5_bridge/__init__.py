@@ -23,8 +23,8 @@ from glm5_bridge import compat  # noqa: E402
 
 compat.install()
 
-from glm5_bridge.bridge import AutoBridge, GLM5Bridge, GLM5ModelProvider, build_megatron_model  # noqa: E402  (registers the bridge)
-from glm5_bridge.config import PRESETS, indexer_types, load_hf_config  # noqa: E402
+from glm5_bridge.model.bridge import AutoBridge, GLM5Bridge, GLM5ModelProvider, build_megatron_model  # noqa: E402  (registers the bridge)
+from glm5_bridge.model.config import PRESETS, indexer_types, load_hf_config  # noqa: E402
 from glm5_bridge.testing import make_tiny_checkpoint  # noqa: E402
 
 __all__ = ["AutoBridge", "GLM5Bridge", "build_megatron_model", "GLM5ModelProvider", "PRESETS", "indexer_types", "load_hf_config",

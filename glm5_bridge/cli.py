@@ -73,7 +73,7 @@ def _run_recipe(recipe, out: Path):
 
 
 def _export(args):
-    from glm5_bridge.export import export_adapter, export_merged
+    from glm5_bridge.train.export import export_adapter, export_merged
     from glm5_bridge.train import checkpoint
     from glm5_bridge.train.common import build_policy
     from glm5_bridge.train.recipe import load_recipe
@@ -93,7 +93,7 @@ def _export(args):
 
 
 def _plan(args):
-    from glm5_bridge.config import load_hf_config
+    from glm5_bridge.model.config import load_hf_config
     from glm5_bridge.plan import Plan, count_parameters, memory_per_gpu
 
     c = load_hf_config(args.model)

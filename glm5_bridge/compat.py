@@ -165,7 +165,7 @@ def _absorbed_mla_duplicated_linear() -> None:
         return
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla
 
-    from glm5_bridge.layers import DuplicatedLinear
+    from glm5_bridge.model.layers import DuplicatedLinear
 
     absorbed_mla.TELinear = DuplicatedLinear
 

@@ -120,7 +120,7 @@ def hf_to_megatron(hf_path: str | os.PathLike, out_dir: str | os.PathLike, overw
     """Convert an HF GLM-5.x checkpoint into a Megatron distributed checkpoint at `out_dir`."""
     from megatron.core import dist_checkpointing
 
-    from glm5_bridge.bridge import build_megatron_model
+    from glm5_bridge.model.bridge import build_megatron_model
 
     hf_path = Path(hf_path)
     if Path(out_dir).exists() and not overwrite:  # before the (long) load, not after
@@ -145,7 +145,7 @@ def load_megatron_checkpoint(megatron_dir: str | os.PathLike, **provider_overrid
     """(bridge, model) with the weights of a checkpoint written by `hf_to_megatron`."""
     from megatron.core import dist_checkpointing
 
-    from glm5_bridge.bridge import build_megatron_model
+    from glm5_bridge.model.bridge import build_megatron_model
 
     megatron_dir = Path(megatron_dir)
     if not (megatron_dir / MARKER).is_file():

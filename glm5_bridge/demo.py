@@ -39,7 +39,7 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     from transformers import AutoTokenizer
 
     from glm5_bridge.convert import hf_to_megatron, load_megatron_checkpoint, megatron_to_hf
-    from glm5_bridge.data import arithmetic_problems
+    from glm5_bridge.train.data import arithmetic_problems
     from glm5_bridge.testing import load_hf, make_tiny_checkpoint, megatron_logits
     from glm5_bridge.train.recipe import load_recipe, to_yaml
     from glm5_bridge.train.sft import train_sft

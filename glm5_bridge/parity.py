@@ -7,7 +7,7 @@ import torch
 
 def logits_parity(checkpoint, seq_len: int = 64, batch: int = 2, seed: int = 0, **provider_overrides) -> float:
     """Max abs difference of fp32 logits on random tokens (bshd, causal)."""
-    from glm5_bridge.bridge import build_megatron_model
+    from glm5_bridge.model.bridge import build_megatron_model
     from glm5_bridge.testing import load_hf, megatron_logits
 
     _, model = build_megatron_model(checkpoint, **provider_overrides)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from glm5_bridge.config import check_stage_starts, indexer_types, num_mtp_layers
+from glm5_bridge.model.config import check_stage_starts, indexer_types, num_mtp_layers
 
 GIB = 1024**3
 

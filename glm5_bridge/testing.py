@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_bridge.data import packed_seq_params  # noqa: F401  (thd helper, also used by the tests)
+from glm5_bridge.train.data import packed_seq_params  # noqa: F401  (thd helper, also used by the tests)
 
 VARIANTS = ("GLM-5", "GLM-5.1", "GLM-5.2")
 
@@ -47,7 +47,7 @@ TINY = dict(
 
 def tiny_config_dict(variant: str = "GLM-5.2") -> dict:
     """The preset's config.json values with tiny sizes (IndexShare schedule recomputed)."""
-    from glm5_bridge.config import load_preset_dict
+    from glm5_bridge.model.config import load_preset_dict
 
     cfg = load_preset_dict(variant)
     cfg.update(TINY)
@@ -179,8 +179,8 @@ def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0) -
 
 
 def load_megatron(path, load_weights: bool = True, **provider_overrides):
-    """Alias of `glm5_bridge.bridge.build_megatron_model` (returns (bridge, model))."""
-    from glm5_bridge.bridge import build_megatron_model
+    """Alias of `glm5_bridge.model.bridge.build_megatron_model` (returns (bridge, model))."""
+    from glm5_bridge.model.bridge import build_megatron_model
 
     return build_megatron_model(path, load_weights, **provider_overrides)
 

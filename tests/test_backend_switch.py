@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from glm5_bridge.attention import backends
-from glm5_bridge.attention.core import SparseMLACoreAttention
-from glm5_bridge.attention.unfused import sparse_mla as unfused_sparse_mla
+from glm5_bridge.model.attention import backends
+from glm5_bridge.model.attention.core import SparseMLACoreAttention
+from glm5_bridge.model.attention.unfused import sparse_mla as unfused_sparse_mla
 from glm5_bridge.kernels import D_QK, D_V, SparseMLA
 from glm5_bridge.kernels import reference
 from glm5_bridge.testing import load_megatron, megatron_logits, megatron_packed_logits
@@ -332,7 +332,7 @@ def test_indexer_top_k_wider_than_the_score_block():
     """kernels/indexer.select_topk when top-k is wider than a block's padded key window (CHUNK
     columns): the block goes to torch_select, which must write −1 into the slots past the window
     (select_topk's result is not pre-filled)."""
-    from glm5_bridge.attention.topk import flat_starts, select_topk
+    from glm5_bridge.model.attention.topk import flat_starts, select_topk
     from glm5_bridge.kernels import indexer
 
     lengths, heads, dim, topk = (100, 300), 4, 16, indexer.CHUNK + 88
@@ -349,7 +349,7 @@ def test_indexer_host_code_matches_torch_topk(row_block):
     """kernels/indexer.select_topk's blocking (row blocks, causal key windows that start mid-block,
     tile padding, window-relative bounds, −1 padding) with a torch stand-in for the score kernel:
     the same top-k as attention/topk.select_topk. The kernel itself: tests/gpu/test_indexer.py."""
-    from glm5_bridge.attention.topk import flat_starts_thd, select_topk
+    from glm5_bridge.model.attention.topk import flat_starts_thd, select_topk
     from glm5_bridge.kernels import indexer
 
     lengths, heads, dim, topk = [1, 63, 100, 13, 130], 16, 32, 40

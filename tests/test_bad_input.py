@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 import _checked
 from glm5_bridge.cli import main
-from glm5_bridge.validate import CheckpointError, expected_tensors, read_header, validate_checkpoint
+from glm5_bridge.model.validate import CheckpointError, expected_tensors, read_header, validate_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SFT_RECIPE = ROOT / "recipes" / "tiny_lora_sft.yaml"
@@ -613,7 +613,7 @@ def test_our_merged_export_passes(run, tmp_path):
 @pytest.mark.parametrize("preset", ["GLM-5", "GLM-5.1", "GLM-5.2"])
 def test_presets_imply_the_published_parameter_count(preset):
     """The tensors the validator expects for the real configs hold exactly plan.py's parameter count."""
-    from glm5_bridge.config import load_hf_config, load_preset_dict
+    from glm5_bridge.model.config import load_hf_config, load_preset_dict
     from glm5_bridge.plan import count_parameters
 
     required, optional = expected_tensors(load_preset_dict(preset))

@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import GlmMoeDsaConfig
 
-from glm5_bridge.config import PRESETS, indexer_types, load_hf_config, load_preset_dict, topk_source_layers
+from glm5_bridge.model.config import PRESETS, indexer_types, load_hf_config, load_preset_dict, topk_source_layers
 
 
 def test_presets_are_real_config_values():

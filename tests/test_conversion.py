@@ -96,7 +96,7 @@ def test_indexer_rope_half_split(tiny_checkpoint, tmp_path, monkeypatch):
 
 
 def test_pipeline_stage_must_start_on_a_full_layer():
-    from glm5_bridge.config import check_stage_starts
+    from glm5_bridge.model.config import check_stage_starts
 
     types = ["full", "full", "full", "shared", "shared", "shared", "full"]
     check_stage_starts(types, [0, 6])

@@ -1,4 +1,4 @@
-"""Export after LoRA (glm5_bridge/export.py), checked against transformers (merged checkpoint) and
+"""Export after LoRA (glm5_bridge/train/export.py), checked against transformers (merged checkpoint) and
 transformers + PEFT (adapter) on the same input: Megatron + LoRA logits must equal both within
 1e-5 max abs (fp32, CPU). Every adapter gets random non-zero A and B first, so a dropped or
 mis-mapped delta shows (the LoRA moves the logits by more than 1e-2). The base checkpoint's files
@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from glm5_bridge.export import export_adapter, export_merged
-from glm5_bridge.lora import GLM5LoRA, lora_parameters, lora_targets
+from glm5_bridge.train.export import export_adapter, export_merged
+from glm5_bridge.train.lora import GLM5LoRA, lora_parameters, lora_targets
 from glm5_bridge.testing import load_hf, load_megatron, megatron_logits
 
 TOL = 1e-5

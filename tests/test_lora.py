@@ -1,4 +1,4 @@
-"""LoRA on GLM-5 (glm5_bridge/lora.py): what it wraps, that training moves only the adapters, that
+"""LoRA on GLM-5 (glm5_bridge/train/lora.py): what it wraps, that training moves only the adapters, that
 the kv_b_proj LoRA folded into W_UK / W_UV is differentiable and equals a merged-weight model, and
 that TP=2 (sequence parallel, 2 gloo processes) gives TP=1's LoRA gradients.
 
@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from megatron.bridge.peft.lora_layers import LoRALinear
 
 from glm5_bridge.distributed import run_local_ranks
-from glm5_bridge.layers import DuplicatedLinear
-from glm5_bridge.lora import (
+from glm5_bridge.model.layers import DuplicatedLinear
+from glm5_bridge.train.lora import (
     MLA_TARGETS,
     DuplicatedLinearAdapter,
     GLM5LoRA,
@@ -215,7 +215,7 @@ def _lora_grads(path, tp, adapter_dir, token_parallel=False):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from glm5_bridge.export import export_adapter
+    from glm5_bridge.train.export import export_adapter
     from glm5_bridge.testing import load_megatron, megatron_logits
 
     bridge, model = load_megatron(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,

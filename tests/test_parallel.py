@@ -89,7 +89,7 @@ def _gather_vocab(logits):
 
 def _build(path, **overrides):
     import glm5_bridge  # noqa: F401  (bridge registration, CPU workarounds)
-    from glm5_bridge.bridge import build_megatron_model
+    from glm5_bridge.model.bridge import build_megatron_model
 
     return build_megatron_model(path, **overrides)
 
@@ -132,7 +132,7 @@ def _tp_unshard(local: torch.Tensor, full_shape) -> torch.Tensor:
 
 def _set_lora_weights(model, scale=0.05):
     """Every adapter weight non-zero, from its name and full shape only: the same LoRA at any TP."""
-    from glm5_bridge.lora import lora_parameters
+    from glm5_bridge.train.lora import lora_parameters
 
     with torch.no_grad():
         for name, p in lora_parameters(model).items():
@@ -145,7 +145,7 @@ def _set_lora_weights(model, scale=0.05):
 
 
 def _lora_training(path, tp):
-    from glm5_bridge.lora import GLM5LoRA, lora_parameters
+    from glm5_bridge.train.lora import GLM5LoRA, lora_parameters
 
     t0 = time.perf_counter()
     bridge, model = _build(path, tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
@@ -561,8 +561,8 @@ def test_pp2_conversion_is_bit_exact(ranks, source):
 def test_pipeline_stage_starts_from_the_config(tiny_checkpoint):
     """The stage starts every rank checks (spec.py), for the split fields, a layout and virtual
     stages, without a process group."""
-    from glm5_bridge.bridge import AutoBridge
-    from glm5_bridge.spec import pipeline_stage_starts
+    from glm5_bridge.model.bridge import AutoBridge
+    from glm5_bridge.model.spec import pipeline_stage_starts
 
     def starts(**fields):
         bridge = AutoBridge.from_hf_pretrained(str(tiny_checkpoint("GLM-5.2")))

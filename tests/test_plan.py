@@ -5,7 +5,7 @@ import math
 import pytest
 from safetensors import safe_open
 
-from glm5_bridge.config import load_hf_config
+from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.plan import Plan, count_parameters, memory_per_gpu
 
 

@@ -1,4 +1,4 @@
-"""R3 indexer replay (glm5_bridge/replay.py) on tiny fp32 models, CPU.
+"""R3 indexer replay (glm5_bridge/model/replay.py) on tiny fp32 models, CPU.
 
 The decoder indexers are perturbed before replaying: computing would then pick other keys (checked),
 so equal results prove the replayed top-k was used. The HF reference test forces transformers'
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from glm5_bridge.payload import ReplayLayout
-from glm5_bridge.replay import IndexerReplay, RequestTopk
+from glm5_bridge.model.payload import ReplayLayout
+from glm5_bridge.model.replay import IndexerReplay, RequestTopk
 from glm5_bridge.testing import load_hf, load_megatron, packed_seq_params
 
 TOL = 1e-5  # fp32 parity bound of tests/test_parity.py

@@ -19,7 +19,7 @@ def rollout_file(tiny_checkpoint, tmp_path_factory):
     indexer top-k: the training policy at LoRA init is exactly the rollout policy."""
     from transformers import AutoTokenizer
 
-    from glm5_bridge.data import arithmetic_problems
+    from glm5_bridge.train.data import arithmetic_problems
     from glm5_bridge.testing import load_hf
     from glm5_bridge.train.colocated import IndexerCapture, generate_rollouts
 
@@ -50,7 +50,7 @@ def test_identical_policy_gives_ratio_one_and_zero_kl(tiny_checkpoint, rollout_f
 def test_replay_payload_is_what_training_attends_to(tiny_checkpoint, rollout_file):
     """The replayed top-k decides the logprobs: shuffling the payload's keys within each causal
     window changes them, the untouched payload reproduces the rollout."""
-    from glm5_bridge.payload import ReplayLayout, RequestTopk
+    from glm5_bridge.model.payload import ReplayLayout, RequestTopk
     from glm5_bridge.testing import load_megatron
     from glm5_bridge.train.rl import load_rollouts, policy_logprobs, rollout_batch
 
@@ -75,7 +75,7 @@ def test_replay_payload_is_what_training_attends_to(tiny_checkpoint, rollout_fil
 
 
 def test_bad_rollout_rows_are_named(tmp_path):
-    from glm5_bridge.payload import ReplayLayout
+    from glm5_bridge.model.payload import ReplayLayout
     from glm5_bridge.train.rl import load_rollouts
 
     path = tmp_path / "bad.jsonl"
@@ -106,8 +106,8 @@ def test_moe_routing_replay_restores_the_rollout_experts(tiny_checkpoint, rollou
     """Record each token's experts, move every router's bias so it would route elsewhere, then
     replay the recorded experts from an sglang-style `routed_experts` payload: the logprobs come
     back; computing the routing does not."""
-    from glm5_bridge.payload import ReplayLayout, encode_routed_experts
-    from glm5_bridge.routing_replay import recording_routes
+    from glm5_bridge.model.payload import ReplayLayout, encode_routed_experts
+    from glm5_bridge.train.routing_replay import recording_routes
     from glm5_bridge.testing import load_megatron
     from glm5_bridge.train.rl import load_rollouts, policy_logprobs, rollout_batch
 

@@ -1,4 +1,4 @@
-"""Replay payloads exactly as sglang sends them (glm5_bridge/payload.py), on tiny GLM-5.2, CPU.
+"""Replay payloads exactly as sglang sends them (glm5_bridge/model/payload.py), on tiny GLM-5.2, CPU.
 
 The payloads come from tests/_sglang_like.py: a transformers model run the way sglang serves and
 captures (one prefill batch, batched decode, KV-slot indexed capture buffers, one indexer slot per
@@ -15,7 +15,7 @@ import pytest
 import torch
 from _sglang_like import SglangLike, rollout_rows
 
-from glm5_bridge.payload import ReplayLayout, RequestTopk, decode_routed_experts, encode_int32, encode_routed_experts
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts, encode_int32, encode_routed_experts
 
 PROMPTS = (5, 14, 9, 21)  # uneven; 14 and 21 are above index_topk = 8
 NEW_TOKENS = (12, 6, 9, 5)
@@ -28,7 +28,7 @@ def path(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def layout(path):
-    from glm5_bridge.config import load_hf_config
+    from glm5_bridge.model.config import load_hf_config
 
     return ReplayLayout.from_hf_config(load_hf_config(path))
 

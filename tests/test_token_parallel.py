@@ -5,8 +5,8 @@ attention run whole in one process."""
 
 import torch
 
-from glm5_bridge.attention.topk import flat_starts, select_topk
-from glm5_bridge.attention.unfused import sparse_mla
+from glm5_bridge.model.attention.topk import flat_starts, select_topk
+from glm5_bridge.model.attention.unfused import sparse_mla
 from glm5_bridge.distributed import run_local_ranks
 
 
@@ -30,7 +30,7 @@ def _backend(q, kv, topk, scale, v_dim, *, packed):
 
 
 def _rank(rank, world, total, heads):
-    from glm5_bridge.attention.token_parallel import attend
+    from glm5_bridge.model.attention.token_parallel import attend
 
     q, kv, topk, dout = _inputs(total, heads)
     local = heads // world

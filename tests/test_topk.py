@@ -2,8 +2,8 @@
 
 import torch
 
-from glm5_bridge.attention.topk import check_topk, flat_starts_bshd, flat_starts_thd, index_scores, select_topk
-from glm5_bridge.attention.unfused import sparse_mla
+from glm5_bridge.model.attention.topk import check_topk, flat_starts_bshd, flat_starts_thd, index_scores, select_topk
+from glm5_bridge.model.attention.unfused import sparse_mla
 
 
 def _rand(*shape, seed=0):
@@ -74,7 +74,7 @@ def test_sparse_mla_empty_rows_give_zeros_and_finite_grads():
 def test_row_range_gives_those_rows_of_the_full_selection():
     """select_topk(rows=(a, b)) — what each tensor-parallel rank runs for its share of the rows —
     returns rows a … b−1 of the full selection, across score-chunk boundaries and packed starts."""
-    from glm5_bridge.attention import topk as topk_mod
+    from glm5_bridge.model.attention import topk as topk_mod
 
     starts = flat_starts_thd(torch.tensor([0, 7, 30, 31, 45]), 45)
     q, k, w = _rand(45, 4, 8), _rand(45, 8, seed=1), _rand(45, 4, seed=2)
@@ -92,7 +92,7 @@ def _split_starts(total):  # three packed sequences (fewer when total is tiny)
 
 
 def _split_topk(rank, world_size, total, topk):
-    from glm5_bridge.attention.topk import select_topk_split
+    from glm5_bridge.model.attention.topk import select_topk_split
 
     starts = _split_starts(total)
     q, k, w = _rand(total, 4, 8), _rand(total, 8, seed=1), _rand(total, 4, seed=2)
@@ -127,7 +127,7 @@ def test_row_bounds_balance_the_cost():
     """row_bounds against the cost summed query by query: P contiguous ranges covering the rows
     in order, each within one query's cost of 1/P of the total (a query at position p costs p + 1,
     or min(p + 1, cap)), for one long sequence, packed ones, and fewer rows than ranks."""
-    from glm5_bridge.attention.topk import row_bounds
+    from glm5_bridge.model.attention.topk import row_bounds
 
     for lengths in [(8192,), (1000, 3000, 5, 4187), (2,), (7, 0, 9)]:
         for parts in (2, 3, 8):

@@ -175,7 +175,7 @@ def _ceil_to(x: int, tile: int) -> int:
 
 def reference_logits_kernel(heads: int, dim: int):
     """`logits_kernel` in torch, same arguments and output (for the CPU tests of the host code)."""
-    from glm5_bridge.attention.topk import index_scores
+    from glm5_bridge.model.attention.topk import index_scores
 
     def run(q, k, w, starts, out, w0, r0):
         s = index_scores(q.view(-1, heads, dim), k, w.view(-1, heads))  # [rows, window keys]
@@ -228,7 +228,7 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
     version unchanged. `kernel` replaces the score kernel (reference_logits_kernel runs this host
     code on the CPU); `select` replaces the selection (default: our radix select on the GPU,
     `torch_select` with `kernel`)."""
-    from glm5_bridge.attention import topk as torch_topk
+    from glm5_bridge.model.attention import topk as torch_topk
     from glm5_bridge.kernels import radix_topk
 
     if kernel is None and not (q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16):

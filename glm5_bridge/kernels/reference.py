@@ -66,7 +66,7 @@ def random_causal_topk(lengths: list[int], topk: int, *, device="cpu", generator
     """A valid [T, topk] top-k for sequences of `lengths` packed end to end: each query picks
     min(topk, visible) distinct keys of its own causal window at random, in a random slot order
     (−1 slots interleaved, not only at the end) — inputs for checking kernels on any pattern."""
-    from glm5_bridge.attention.topk import flat_starts_thd
+    from glm5_bridge.model.attention.topk import flat_starts_thd
 
     cu = torch.tensor([0, *lengths]).cumsum(0)
     total = int(cu[-1])

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from glm5_bridge.convert import atomic_write_text
-from glm5_bridge.data import arithmetic_problems
-from glm5_bridge.payload import ReplayLayout, RequestTopk
+from glm5_bridge.train.data import arithmetic_problems
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk
 from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch

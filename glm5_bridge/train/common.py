@@ -15,8 +15,8 @@ from glm5_bridge.train.recipe import Recipe
 
 def build_policy(recipe: Recipe, **extra_overrides):
     """(bridge, model chunk with LoRA applied, trainable params) for the recipe's checkpoint."""
-    from glm5_bridge.bridge import build_megatron_model
-    from glm5_bridge.lora import GLM5LoRA, apply_lora, lora_parameters, lora_targets
+    from glm5_bridge.model.bridge import build_megatron_model
+    from glm5_bridge.train.lora import GLM5LoRA, apply_lora, lora_parameters, lora_targets
 
     m, lo = recipe.model, recipe.lora
     overrides = dict(dsa_attention_backend=m.dsa_attention_backend, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,

@@ -37,7 +37,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "glm5_bridge/data/arithmetic.jsonl"  # chat jsonl (SFT) or rollout jsonl (RL)
+    train: str = "glm5_bridge/train/data/arithmetic.jsonl"  # chat jsonl (SFT) or rollout jsonl (RL)
     max_tokens: int = 512  # tokens per packed micro-batch
     limit: int = 0  # use only the first N samples (0 = all)
     seed: int = 0

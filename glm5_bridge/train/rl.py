@@ -8,8 +8,8 @@ Rollout jsonl, one sample per line:
                       normalised within each group (GRPO), all samples being one group by default
     meta_info         optional sglang meta_info with `indexer_topk` (+ `indexer_topk_num_layers`) and/or
                       `routed_experts` (+ `routed_experts_start_len`), decoded and checked by
-                      glm5_bridge/payload.py; replayed in training when `rl.replay` is on
-                      (glm5_bridge/replay.py, glm5_bridge/routing_replay.py)
+                      glm5_bridge/model/payload.py; replayed in training when `rl.replay` is on
+                      (glm5_bridge/model/replay.py, glm5_bridge/train/routing_replay.py)
 
 Loss per response token: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), ρ = exp(log p_θ − log p_rollout), plus
 `kl_coef`·KL(π_θ ‖ π_ref) (k3 estimator) where the reference is the base model (adapters off).
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from glm5_bridge.config import load_hf_config
+from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.convert import atomic_write_text
-from glm5_bridge.data import greedy_groups, pack, read_jsonl
-from glm5_bridge.payload import ReplayLayout, RequestTopk, decode_routed_experts
-from glm5_bridge.replay import IndexerReplay
-from glm5_bridge.routing_replay import replaying_routes
+from glm5_bridge.train.data import greedy_groups, pack, read_jsonl
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts
+from glm5_bridge.model.replay import IndexerReplay
+from glm5_bridge.train.routing_replay import replaying_routes
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import adapters_off, build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
 from glm5_bridge.train.recipe import Recipe
-from glm5_bridge.validate import validate_checkpoint
+from glm5_bridge.model.validate import validate_checkpoint
 
 
 class Rollout:

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from glm5_bridge.config import load_hf_config
+from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.convert import atomic_write_text
-from glm5_bridge.data import packed_batches, read_jsonl, tokenize_chat
+from glm5_bridge.train.data import packed_batches, read_jsonl, tokenize_chat
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
 from glm5_bridge.train.recipe import Recipe
-from glm5_bridge.validate import validate_checkpoint
+from glm5_bridge.model.validate import validate_checkpoint
 
 
 class BatchSchedule:
@@ -134,7 +134,7 @@ def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
 
 
 def export_trained(recipe: Recipe, bridge, model) -> Path:
-    from glm5_bridge.export import export_adapter, export_merged
+    from glm5_bridge.train.export import export_adapter, export_merged
 
     target = Path(recipe.export.dir or Path(recipe.train.output_dir) / f"export_{recipe.export.kind}")
     write = export_merged if recipe.export.kind == "merged" else export_adapter

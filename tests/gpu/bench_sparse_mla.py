@@ -14,7 +14,7 @@ import torch
 
 import glm5_bridge  # noqa: F401
 from benchmarks.timing import times_ms
-from glm5_bridge.attention.backends import get_backend
+from glm5_bridge.model.attention.backends import get_backend
 from glm5_bridge.kernels import D_QK, D_V
 from glm5_bridge.kernels.reference import random_causal_topk
 

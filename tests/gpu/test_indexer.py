@@ -12,8 +12,8 @@ than T (key windows that start mid-block).
 import pytest
 import torch
 
-from glm5_bridge.attention.topk import flat_starts_thd, index_scores
-from glm5_bridge.attention.topk import select_topk as torch_select_topk
+from glm5_bridge.model.attention.topk import flat_starts_thd, index_scores
+from glm5_bridge.model.attention.topk import select_topk as torch_select_topk
 from glm5_bridge.kernels import indexer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -21,7 +21,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_record_replay_with_fused_backend(checkpoint):
-    from glm5_bridge.replay import IndexerReplay
+    from glm5_bridge.model.replay import IndexerReplay
     from glm5_bridge.testing import load_megatron, packed_seq_params
 
     _, model = load_megatron(checkpoint, dsa_attention_backend="tilelang")

@@ -30,8 +30,8 @@ import os
 import pytest
 import torch
 
-from glm5_bridge.attention.backends import get_backend
-from glm5_bridge.attention.unfused import sparse_mla as unfused_sparse_mla
+from glm5_bridge.model.attention.backends import get_backend
+from glm5_bridge.model.attention.unfused import sparse_mla as unfused_sparse_mla
 from glm5_bridge.kernels import D_QK, D_V
 from glm5_bridge.kernels.reference import random_causal_topk
 from glm5_bridge.testing import rel_error as rel
@@ -128,7 +128,7 @@ def test_fewer_queries_than_keys():
     query rows (here the row_bounds range of rank 1 of TP 4) over all T keys: their outputs and dq
     must be the full call's rows, and dkv the full call's dkv when only those rows' outputs carry
     gradient (8K-row kv, 64 heads, bf16)."""
-    from glm5_bridge.attention.topk import row_bounds
+    from glm5_bridge.model.attention.topk import row_bounds
 
     g = torch.Generator(device="cuda").manual_seed(11)
     total = 8192
@@ -187,7 +187,7 @@ float16_attention = _rounded_attention(torch.float16)
 def model_logprobs(path, backend, bf16=False, core_backend=None):
     """Next-token logprobs of one packed micro-batch and every non-MTP parameter's gradient of their
     sum (fp32). `core_backend` replaces the attention function after the model is built."""
-    from glm5_bridge.attention.core import SparseMLACoreAttention
+    from glm5_bridge.model.attention.core import SparseMLACoreAttention
     from glm5_bridge.testing import load_megatron
 
     extra = dict(bf16=True, params_dtype=torch.bfloat16) if bf16 else {}

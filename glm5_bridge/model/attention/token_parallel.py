@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from glm5_bridge.attention.topk import row_bounds
+from glm5_bridge.model.attention.topk import row_bounds
 
 
 def _transpose01(x: torch.Tensor) -> torch.Tensor:

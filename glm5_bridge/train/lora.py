@@ -1,6 +1,6 @@
 """LoRA for GLM-5 on megatron-bridge's PEFT (`LoRA`, `LoRALinear`, `ParallelLinearAdapter`).
 
-    from glm5_bridge.lora import GLM5LoRA, lora_targets
+    from glm5_bridge.train.lora import GLM5LoRA, lora_targets
     lora = GLM5LoRA(dim=16, alpha=32)                       # MLA projections (the default)
     lora = GLM5LoRA(target_modules=lora_targets(dense_mlp=True, shared_experts=True))
     model = lora(model)                                     # freezes the base, adds adapters
@@ -37,7 +37,7 @@ from megatron.bridge.peft.utils import ParallelLinearAdapter, wildcard_match
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.utils import get_pg_size
 
-from glm5_bridge.layers import DuplicatedLinear
+from glm5_bridge.model.layers import DuplicatedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ HF_TO_MEGATRON = {
 
 INDEXER_WARNING = (
     "LoRA targets {n} DSA indexer projection(s) (e.g. {example}). The indexer runs under "
-    "torch.no_grad (glm5_bridge/attention/core.py): these adapters get no gradient and stay at "
+    "torch.no_grad (glm5_bridge/model/attention/core.py): these adapters get no gradient and stay at "
     "their initialisation. Remove the indexer from target_modules.")
 
 

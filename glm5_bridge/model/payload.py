@@ -52,7 +52,7 @@ class ReplayLayout:
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "ReplayLayout":
-        from glm5_bridge.config import indexer_types
+        from glm5_bridge.model.config import indexer_types
 
         return cls(tuple(indexer_types(hf_config)), int(hf_config.index_topk), int(hf_config.num_experts_per_tok),
                    int(hf_config.n_routed_experts), int(hf_config.first_k_dense_replace))
@@ -77,7 +77,7 @@ class ReplayLayout:
     @property
     def sources(self) -> list[int]:
         """Per decoder layer, the layer whose top-k it attends with (itself when computing)."""
-        from glm5_bridge.config import topk_source_layers
+        from glm5_bridge.model.config import topk_source_layers
 
         return topk_source_layers(list(self.indexer_types))
 

@@ -209,7 +209,7 @@ def validate_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict:
     With `weights`, a folder that has safetensors files must hold exactly the tensors the config
     implies, with the implied shapes and acceptable dtypes; a folder with none is config-only (the
     caller decides whether that is enough)."""
-    from glm5_bridge.config import PRESETS, load_preset_dict
+    from glm5_bridge.model.config import PRESETS, load_preset_dict
 
     if str(path) in PRESETS:
         if weights:

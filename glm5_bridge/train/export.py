@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from glm5_bridge.convert import remove_abandoned
-from glm5_bridge.lora import lora_parameters
+from glm5_bridge.train.lora import lora_parameters
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -186,7 +186,7 @@ def export_adapter(bridge, model, out_dir, overwrite: bool = False, include_mtp:
     (see ADAPTER_MLP_UNSUPPORTED). Returns the resolved target path."""
     names = list(lora_parameters(model))
     if not names:
-        raise ValueError("export_adapter: the model has no LoRA adapters (apply glm5_bridge.lora.GLM5LoRA first)")
+        raise ValueError("export_adapter: the model has no LoRA adapters (apply glm5_bridge.train.lora.GLM5LoRA first)")
     mlp = [n for n in names if ".mlp." in n]
     if mlp:
         raise NotImplementedError(ADAPTER_MLP_UNSUPPORTED.format(example=mlp[0].split(".adapter.")[0]))

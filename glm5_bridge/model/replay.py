@@ -9,12 +9,12 @@ Modes (per forward, decided by the innermost context):
   `IndexerReplay.attach(packed_seq_params, requests)` does the same for one micro-batch without a
   context (for megatron's pipeline schedules: call it in forward_step_func).
 
-    layout = ReplayLayout.from_hf_config(hf_config)         # glm5_bridge.payload
+    layout = ReplayLayout.from_hf_config(hf_config)         # glm5_bridge.model.payload
     with IndexerReplay.replaying([RequestTopk.from_sglang(r["meta_info"], layout, len(tokens)), ...]):
         loss = loss_fn(model(input_ids=..., packed_seq_params=psp, ...))
     loss.backward()
 
-Which layers are in a payload: a `RequestTopk` (glm5_bridge/payload.py, which also decodes and
+Which layers are in a payload: a `RequestTopk` (glm5_bridge/model/payload.py, which also decodes and
 encodes sglang's wire form) holds the computing ("full") decoder layers, in order; slot j is the
 (j+1)-th full layer. IndexShare "shared" layers reuse their source layer's top-k, which is the
 replayed one. The MTP layer is not in payloads and always computes its own top-k (sglang reports
@@ -57,8 +57,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from glm5_bridge.attention import index_share
-from glm5_bridge.payload import ReplayLayout, RequestTopk
+from glm5_bridge.model.attention import index_share
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk
 
 _ATTR = "_glm5_replay"
 

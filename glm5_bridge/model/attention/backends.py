@@ -25,7 +25,7 @@ BACKENDS = ("megatron", "tilelang")
 
 
 def megatron_sparse_mla(q, kv, topk, softmax_scale, v_dim, *, packed=False):
-    from glm5_bridge.attention.unfused import sparse_mla
+    from glm5_bridge.model.attention.unfused import sparse_mla
 
     return sparse_mla(q, kv, topk, softmax_scale, v_dim)
 
@@ -47,7 +47,7 @@ def topk_selector(name: str):
     if name == "tilelang":
         from glm5_bridge.kernels.indexer import select_topk
     else:
-        from glm5_bridge.attention.topk import select_topk
+        from glm5_bridge.model.attention.topk import select_topk
     return select_topk
 
 

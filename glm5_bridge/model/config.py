@@ -27,7 +27,7 @@ def load_hf_config(path_or_preset: str | Path):
 
     if str(path_or_preset) in PRESETS:
         return GlmMoeDsaConfig(**load_preset_dict(str(path_or_preset)))
-    from glm5_bridge.validate import read_config
+    from glm5_bridge.model.validate import read_config
 
     path = Path(path_or_preset)
     if not path.exists():

@@ -26,9 +26,9 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from transformers import GlmMoeDsaForCausalLM
 
 from glm5_bridge import compat
-from glm5_bridge import config as cfg
-from glm5_bridge.attention.backends import BACKENDS
-from glm5_bridge.spec import glm5_block_spec, glm5_mtp_block_spec
+from glm5_bridge.model import config as cfg
+from glm5_bridge.model.attention.backends import BACKENDS
+from glm5_bridge.model.spec import glm5_block_spec, glm5_mtp_block_spec
 
 
 # The duplicated linear holds the full weight on every TP rank.
@@ -182,7 +182,7 @@ def build_megatron_model(path, load_weights: bool = True, **provider_overrides):
     checked first (validate.py: config.json and safetensors headers against each other), so a bad
     one fails with one line naming the file and tensor instead of deep in the weight loading."""
     if str(path) not in cfg.PRESETS:
-        from glm5_bridge.validate import validate_checkpoint
+        from glm5_bridge.model.validate import validate_checkpoint
 
         validate_checkpoint(path, weights=load_weights)
     bridge = AutoBridge.from_hf_pretrained(str(path))

@@ -19,11 +19,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
-from glm5_bridge import replay
-from glm5_bridge.attention import index_share, token_parallel
-from glm5_bridge.attention.backends import get_backend, topk_selector
-from glm5_bridge.attention.topk import flat_starts, select_topk_split, sequence_lengths
-from glm5_bridge.config import topk_source_layers
+from glm5_bridge.model import replay
+from glm5_bridge.model.attention import index_share, token_parallel
+from glm5_bridge.model.attention.backends import get_backend, topk_selector
+from glm5_bridge.model.attention.topk import flat_starts, select_topk_split, sequence_lengths
+from glm5_bridge.model.config import topk_source_layers
 
 
 @dataclass
@@ -109,7 +109,7 @@ class SparseMLACoreAttention(MegatronModule):
                 return select_topk_split(self.select_topk, q, k, w, starts, self.index_topk,
                                          self.pg_collection.tp)
 
-        # R3 indexer replay (glm5_bridge/replay.py): compute(), or the recorded / replayed top-k.
+        # R3 indexer replay (glm5_bridge/model/replay.py): compute(), or the recorded / replayed top-k.
         topk = replay.resolve(self, starts, carrier, compute)
         if self.publishes_topk:
             index_share.publish(self.layer_number, topk, *carrier)

@@ -4,7 +4,7 @@ megatron-core has the mechanism (`RouterReplay`, enabled by `moe_enable_routing_
 router takes the given indices and gathers its own scores at them, so gradients still flow through
 the router probabilities. This module sets per-layer [T, topk] targets for one packed micro-batch on
 this model's decoder routers only (the MTP layer is never in a payload and routes by itself).
-Payloads are decoded by glm5_bridge/payload.py (`decode_routed_experts`): MoE layers only, −1 rows
+Payloads are decoded by glm5_bridge/model/payload.py (`decode_routed_experts`): MoE layers only, −1 rows
 where the engine sent none (before `routed_experts_start_len`). Such rows, and each sample's last
 position (no rollout row), take the router's own choice.
 """

@@ -28,10 +28,10 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from glm5_bridge.compat import HAVE_TE
-from glm5_bridge.config import check_stage_starts
-from glm5_bridge.attention.core import SparseMLACoreAttention, SparseMLACoreAttentionSubmodules, indexer_spec
-from glm5_bridge.attention.mla import GLM5AbsorbedMLA
-from glm5_bridge.layers import DuplicatedLinear, LatentNorm, Norm
+from glm5_bridge.model.config import check_stage_starts
+from glm5_bridge.model.attention.core import SparseMLACoreAttention, SparseMLACoreAttentionSubmodules, indexer_spec
+from glm5_bridge.model.attention.mla import GLM5AbsorbedMLA
+from glm5_bridge.model.layers import DuplicatedLinear, LatentNorm, Norm
 
 
 class GLM5SpecProvider(LocalSpecProvider):
