@@ -1,4 +1,4 @@
-"""Is the 64-head backward at the floor of its own memory traffic? (docs/kernels.md, "Run AO")
+"""Is the 64-head backward at the floor of its own memory traffic? (benchmarks/LOG.md, "Run AO")
 
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/bench_bwd_floor.py [--out $OUT/bench_bwd_floor.json]
 
@@ -18,10 +18,11 @@ import os
 import sys
 
 from glm5_bridge.kernels import sparse_mla_bwd as B, sparse_mla_fwd as F
+from glm5_bridge.kernels._tilelang import compile_kernel, tl
 
 
 def traffic_kernel(gather: bool, adds: bool, topk: int = 2048, cols: int = 128):
-    tilelang, T = F._tl()
+    tilelang, T = tl()
     block_i, f32, bf = 64, T.float32, T.bfloat16
     n, nkv = T.dynamic("num_tokens"), T.dynamic("num_kv")
     first_added = 0 if adds else 2**30
@@ -59,7 +60,7 @@ def traffic_kernel(gather: bool, adds: bool, topk: int = 2048, cols: int = 128):
                 T.call_extern("handle", "glm5_dkv_add<64>", acc_kvt.data, T.address_of(Idx[t, i * block_i]),
                               T.address_of(dKV[0, 512]), first_added, nkv)
 
-    return tilelang.compile(main, out_idx=[], pass_configs=F._pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[])
 
 
 def main():

@@ -15,7 +15,7 @@ slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns
             64 heads `ours_fwd_per_token` (one token per CTA) and `ours_fwd_simple_groups`
             (simple_kernel over the token groups the seesaw now runs)
   upstream  megatron-core's sparse_mla_fwd_interface / sparse_mla_bwd (4-D inputs, its own padding)
-  iface     glm5_bridge.kernels.sparse_mla (the autograd path the model runs, fed the interleaved
+  iface     glm5_bridge.kernels.ops (the autograd path the model runs, fed the interleaved
             slots: its reordering is timed), GLM5_DSA_KERNELS=upstream and =ours
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
 FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
@@ -45,9 +45,7 @@ if "glm5_bridge" not in sys.modules:  # load glm5_bridge.kernels without the mod
     pkg.__path__ = [str(ROOT / "glm5_bridge")]
     sys.modules["glm5_bridge"] = pkg
 
-import importlib  # noqa: E402
-
-iface = importlib.import_module("glm5_bridge.kernels.sparse_mla")
+from glm5_bridge.kernels import ops as iface  # noqa: E402
 from timing import SDPA_BACKENDS, dense_attention, sdpa_choice, times_ms  # noqa: E402  (benchmarks/timing.py)
 
 from glm5_bridge.kernels import slot_union  # noqa: E402
@@ -205,7 +203,7 @@ def simple_fwd(heads, group=1, skip_empty=True):
     """simple_kernel as a forward (q, kv, idx, cnt) → (out, lse), the benchmark's baselines:
     skip_empty=False walks every top-k block (2-stage pipeline: the pre-skipping kernel); group 1
     runs one token per CTA (below 64 heads: the kernel before token groups), token_group(heads)
-    the groups fwd() ran in run AN, before the seesaw took them."""
+    simple_kernel over token groups (what fwd() ran below 64 heads before the seesaw took them)."""
     kernel = ours_fwd.simple_kernel(heads, TOPK, SCALE, skip_empty=skip_empty, group=group)
     return functools.partial(ours_fwd.fwd_call, kernel, group)
 
@@ -266,7 +264,7 @@ def bench_sparse(seqs, heads_list, reps):
             row("upstream", tf, sf, tb, sb)
 
             # ours on the used-first slots and on the slots as drawn; below 16 heads also with the
-            # heads zero-padded to 16 (what the autograd path ran before run AQ)
+            # heads zero-padded to 16 (what the autograd path ran before 8 heads ran as groups of 8)
             runs = [("ours", idx, heads), ("ours_interleaved", idx_drawn, heads)]
             runs += [("ours_padded16", idx, 16)] if heads < 16 else []
             for name, ix, hk in runs:
@@ -331,11 +329,11 @@ def bwd_variants(heads=64):
     "fused" is what bwd() runs (below 64 heads: token groups, slot_union.token_group);
     "fused_no_adds" the same without the dKV atomic adds (their cost; wrong dkv); "adds_only" the
     per-token kernel's adds alone (sparse_mla_bwd.dkv_adds_kernel: the floor they put under it);
-    below 64 heads also "fused_per_token" (one token per CTA: the kernel before run AJ; at 16 heads
+    below 64 heads also "fused_per_token" (one token per CTA: the kernel before token groups; at 16 heads
     two CTAs per SM) and "fused_torch_union" (token groups, their union from the torch sort instead
-    of slot_union's map kernel, which bwd() runs on the GPU; "fused_map_union" in run AK's files,
-    when the sort was the default). The two-kernel split these were compared with
-    until run U is in the result files ("split")."""
+    of slot_union's map kernel, which bwd() runs on the GPU; "fused_map_union" in older result
+    files, when the sort was the default). The two-kernel split these were once compared with is
+    in older result files ("split"; benchmarks/LOG.md)."""
     group = slot_union.token_group(heads)
     variants = {"fused": (ours_bwd.get_fused_kernel(heads, TOPK, SCALE, "bfloat16"), group),
                 "fused_no_adds": (ours_bwd.fused_kernel(heads, TOPK, SCALE, "bfloat16", adds=False), group)}

@@ -47,7 +47,7 @@ def write_config(folder: Path, layers: int, smoke: bool) -> Path:
     cfg.update(num_hidden_layers=layers, n_routed_experts=8, num_experts_per_tok=2, vocab_size=32768,
                num_nextn_predict_layers=0, indexer_types=cfg["indexer_types"][:layers], dtype="bfloat16")
     if smoke:  # CPU: the tiny test model's sizes, same schedule
-        from glm5_bridge.testing import TINY
+        from glm5_bridge.tiny import TINY
 
         keep = ("initializer_range", "num_hidden_layers")
         cfg.update({k: v for k, v in TINY.items() if k not in keep}, vocab_size=256,
@@ -137,7 +137,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_layer.json"))
     a = ap.parse_args()
-    import glm5_bridge  # noqa: F401  (registers the bridge)
+    import glm5_bridge
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
 
     device = "cpu" if a.smoke else "cuda"
     runs = [("megatron", None)] if a.smoke else [("tilelang", "ours"), ("tilelang", "upstream"), ("megatron", None)]

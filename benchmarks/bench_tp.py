@@ -162,7 +162,7 @@ def precompile(head_counts):
 
     stub = (f"import sys, types; p = types.ModuleType('glm5_bridge'); p.__path__ = [{str(ROOT / 'glm5_bridge')!r}]; "
             "sys.modules['glm5_bridge'] = p; ")
-    jobs = [f"from glm5_bridge.kernels.sparse_mla import compile_kernels; compile_kernels({h}, {TOPK}, {SCALE}, parts=('{part}',))"
+    jobs = [f"from glm5_bridge.kernels.ops import compile_kernels; compile_kernels({h}, {TOPK}, {SCALE}, parts=('{part}',))"
             for h in sorted(set(head_counts)) for part in ("fwd", "bwd", "delta", "slots")]
     jobs += ["from glm5_bridge.kernels import indexer; indexer.get_logits_kernel(32, 128)",
              f"from glm5_bridge.kernels import radix_topk; radix_topk.get_select_kernel({TOPK})"]

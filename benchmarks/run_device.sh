@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine (H200), after the two wheel installs of docs/kernels.md:
+# On the device machine (H100 or H200), with the packages of benchmarks/README.md on PYTHONPATH:
 #   export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/run_device.sh [bench_dsa.py args...]
 # 1. builds every kernel the benchmark uses, one process each, in parallel (TileLang's disk cache
 #    then serves the benchmark), 2. runs benchmarks/bench_dsa.py. Logs and JSON go to $OUT.
@@ -11,8 +11,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv | tee "$out/gpu.txt"
 start=$(date +%s)
 pre='import sys, types; p = types.ModuleType("glm5_bridge"); p.__path__ = ["glm5_bridge"]; sys.modules["glm5_bridge"] = p; sys.path.insert(0, "benchmarks")
-import importlib; from glm5_bridge.kernels import sparse_mla_fwd as F, sparse_mla_bwd as B
-S = importlib.import_module("glm5_bridge.kernels.sparse_mla")  # the package exports a function of that name
+from glm5_bridge.kernels import sparse_mla_fwd as F, sparse_mla_bwd as B
+from glm5_bridge.kernels import ops as S
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as uf, tilelang_sparse_mla_bwd as ub
 from megatron.core.transformer.experimental_attention_variant.ops import tilelang_indexer_fwd as ui'
 jobs=(

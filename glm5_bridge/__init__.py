@@ -1,31 +1,51 @@
 """glm5-bridge: GLM-5 / GLM-5.1 / GLM-5.2 with Megatron, on top of megatron-core and megatron-bridge.
 
-`import glm5_bridge` installs the few CPU / no-TE workarounds (compat.py) and registers our
-bridge for `GlmMoeDsaForCausalLM`, so the standard calls work unchanged:
-
-    from megatron.bridge import AutoBridge
-    bridge = AutoBridge.from_hf_pretrained(path)
+    from glm5_bridge import AutoBridge          # registers our bridge for GlmMoeDsaForCausalLM
+    bridge = AutoBridge.from_hf_pretrained(path_or_preset)
     model = bridge.to_megatron_model(wrap_with_ddp=False)
+
+`import glm5_bridge` itself is light and changes nothing in other libraries: the names below load
+on first use. Importing `glm5_bridge.model.bridge` (which `AutoBridge`, `build_megatron_model` and
+`register()` do) registers our bridge in megatron-bridge's registry, after which megatron-bridge's
+own `AutoBridge` dispatches GLM-5 checkpoints here too. On a machine without CUDA or Transformer
+Engine our provider applies the workarounds it needs when it builds a model; code that runs
+megatron-core's training pieces there calls `enable_cpu_support()` first (compat.py says what it
+changes).
+
+Layout, imports pointing down (tests/test_layout.py checks it):
+    kernels/    TileLang kernels and their torch references; imports nothing else of ours
+    files, distributed, compat, hf     leaves: safe files, process helpers, upstream workarounds,
+                                       transformers' side (reference model, expert layout)
+    model/      source (path or preset), config, validate, bridge, spec, layers, attention, replay
+    train/      LoRA, data, recipes, trainers, checkpoints, routing replay, export
+    convert, parity, plan, tiny, demo, cli     what the `glm5-bridge` command runs
 """
 
-import logging
-import warnings
+from importlib import import_module
 
-# Import-time notices from megatron about optional packages we deliberately run without (TE, apex,
-# absl, modelopt's transformers pin); real warnings still show.
-for _pattern in ("Transformer Engine and Apex", "Apex is not installed", "absl.logging", "transformer-engine>=",
-                 "is not tested with current version of modelopt", "`torch.jit.script` is deprecated"):
-    warnings.filterwarnings("ignore", message=f".*{_pattern}.*")
-for _logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider"):
-    logging.getLogger(_logger).addFilter(lambda record: record.levelno >= logging.WARNING)
+__version__ = "0.1.0"
 
-from glm5_bridge import compat  # noqa: E402
+_EXPORTS = {
+    "AutoBridge": "glm5_bridge.model.bridge",
+    "GLM5Bridge": "glm5_bridge.model.bridge",
+    "GLM5ModelProvider": "glm5_bridge.model.bridge",
+    "build_megatron_model": "glm5_bridge.model.bridge",
+    "PRESETS": "glm5_bridge.model.source",
+    "indexer_types": "glm5_bridge.model.config",
+    "load_hf_config": "glm5_bridge.model.config",
+    "make_tiny_checkpoint": "glm5_bridge.tiny",
+    "enable_cpu_support": "glm5_bridge.compat",
+}
 
-compat.install()
+__all__ = [*_EXPORTS, "register", "__version__"]
 
-from glm5_bridge.model.bridge import AutoBridge, GLM5Bridge, GLM5ModelProvider, build_megatron_model  # noqa: E402  (registers the bridge)
-from glm5_bridge.model.config import PRESETS, indexer_types, load_hf_config  # noqa: E402
-from glm5_bridge.testing import make_tiny_checkpoint  # noqa: E402
 
-__all__ = ["AutoBridge", "GLM5Bridge", "build_megatron_model", "GLM5ModelProvider", "PRESETS", "indexer_types", "load_hf_config",
-           "make_tiny_checkpoint"]
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'glm5_bridge' has no attribute {name!r}")
+
+
+def register() -> None:
+    """Register our bridge for `GlmMoeDsaForCausalLM` with megatron-bridge (idempotent)."""
+    import_module("glm5_bridge.model.bridge")

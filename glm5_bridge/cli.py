@@ -30,7 +30,7 @@ def _parity(args):
 
 
 def _make_tiny(args):
-    from glm5_bridge.testing import make_tiny_checkpoint
+    from glm5_bridge.tiny import make_tiny_checkpoint
 
     print(make_tiny_checkpoint(args.variant, args.dst, seed=args.seed))
 
@@ -51,7 +51,7 @@ def _train(args):
 
 
 def _run_recipe(recipe, out: Path):
-    from glm5_bridge.convert import atomic_write_text
+    from glm5_bridge.files import atomic_write_text
     from glm5_bridge.train.recipe import to_yaml
 
     out.mkdir(parents=True, exist_ok=True)
@@ -196,9 +196,27 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
+def quiet_upstream_notices() -> None:
+    """Import-time notices from megatron about optional packages we deliberately run without (TE,
+    apex, absl, modelopt's transformers pin), for this process only: the CLI's, never at
+    `import glm5_bridge`. Real warnings still show."""
+    import logging
+    import warnings
+
+    for pattern in ("Transformer Engine and Apex", "Apex is not installed", "absl.logging", "transformer-engine>=",
+                    "is not tested with current version of modelopt", "`torch.jit.script` is deprecated"):
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    for logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider"):
+        logging.getLogger(logger).addFilter(lambda record: record.levelno >= logging.WARNING)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    import glm5_bridge  # noqa: F401  (registers the bridge; after argparse so --help is instant)
+    quiet_upstream_notices()
+    import glm5_bridge  # after argparse and the filters: --help stays instant and quiet
+
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
 
     try:
         return args.fn(args) or 0

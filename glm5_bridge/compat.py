@@ -2,7 +2,19 @@
 Transformer Engine (TE). Everything of that kind lives here, one function per item, each with a
 test in tests/test_compat.py that fails once upstream no longer needs it.
 
-`install()` is idempotent and is called by `import glm5_bridge`.
+Nothing here runs at import. Each item is applied by an explicit call where it is needed, and as
+narrowly as it can be:
+- 1 (import megatron-bridge without TE): `megatron_bridge_without_te()`, around model/bridge.py's
+  imports of megatron-bridge; the stand-in exists only while one upstream module is imported.
+- 3 (MTP spec) and 5 (absorbed MLA's duplicated linear): context managers around our provider's
+  `provide()` (model/bridge.py).
+- 4, 6, 7, 8, 9: `enable_cpu_support()`, which the CLI, the trainers, the tests and our provider
+  (when it builds a model on a machine without CUDA) call. Each installs only where it applies: 4,
+  7, 8 and 9 on a machine without a CUDA device, 6 without TE. 4 is process-wide there (megatron
+  asks `torch.cuda.current_device()` from over a hundred places, each of which can only raise
+  without a GPU); 7 lasts one method call; 8 and 9 affect the named upstream modules only.
+- 10 (CUDA type names): a context manager the trainer enters around building and stepping the
+  optimizer.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+from contextlib import contextmanager
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
@@ -65,10 +78,18 @@ class _LoraLayersWithoutTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 sys.modules.pop(key, None)
 
 
-def _import_bridge_without_te() -> None:
-    if HAVE_TE or any(isinstance(f, _LoraLayersWithoutTE) for f in sys.meta_path):
+@contextmanager
+def megatron_bridge_without_te():
+    """Import megatron-bridge inside this block (a no-op with TE installed)."""
+    if HAVE_TE or "megatron.bridge.peft.lora_layers" in sys.modules:
+        yield
         return
-    sys.meta_path.insert(0, _LoraLayersWithoutTE())
+    finder = _LoraLayersWithoutTE()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 # --- 2. megatron-bridge starts NCCL and seeds CUDA -------------------------------------------------
@@ -109,24 +130,26 @@ def cpu_seed(seed: int) -> None:
 
 # --- 3. megatron-bridge builds the MTP spec with TE ---------------------------------------------
 # `GPTModelProvider.provide()` calls the module function `gpt_provider.mtp_block_spec`, which
-# always asks for TE modules. Providers that define `build_mtp_block_spec` (ours) get theirs.
+# always asks for TE modules. While our provider's `provide()` runs, that function returns the
+# provider's own `build_mtp_block_spec`.
 
 
-def _provider_mtp_spec_hook() -> None:
+@contextmanager
+def provider_mtp_spec(provider):
     from megatron.bridge.models import gpt_provider
 
     original = gpt_provider.mtp_block_spec
-    if getattr(original, "_glm5_hook", False):
-        return
 
     def mtp_block_spec(config, vp_stage=None):
-        if hasattr(config, "build_mtp_block_spec"):
-            return config.build_mtp_block_spec(vp_stage=vp_stage)
+        if config is provider:
+            return provider.build_mtp_block_spec(vp_stage=vp_stage)
         return original(config, vp_stage=vp_stage)
 
-    mtp_block_spec._glm5_hook = True
-    mtp_block_spec.__wrapped__ = original
     gpt_provider.mtp_block_spec = mtp_block_spec
+    try:
+        yield
+    finally:
+        gpt_provider.mtp_block_spec = original
 
 
 # --- 4. megatron-core places buffers on `torch.cuda.current_device()` and synchronizes CUDA --------
@@ -156,18 +179,24 @@ def _current_device_on_cpu_machines() -> None:
 
 # --- 5. absorbed MLA accepts only TE's duplicated linear for the down-projections -----------------
 # `AbsorbedMLASelfAttention.__init__` checks `linear_q_down_proj in [TELinear]` to pass
-# `parallel_mode="duplicated"`; without TE that name is None and any other class is refused. Our
-# `DuplicatedLinear` takes its place there (the spec uses TE's own TELinear when TE is installed).
+# `parallel_mode="duplicated"`; without TE that name is None and any other class is refused. While
+# a model is built, our `DuplicatedLinear` (the class the caller passes) takes its place there (the
+# spec uses TE's own TELinear when TE is installed).
 
 
-def _absorbed_mla_duplicated_linear() -> None:
+@contextmanager
+def absorbed_mla_duplicated_linear(duplicated_linear):
     if HAVE_TE:
+        yield
         return
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla
 
-    from glm5_bridge.model.layers import DuplicatedLinear
-
-    absorbed_mla.TELinear = DuplicatedLinear
+    original = absorbed_mla.TELinear
+    absorbed_mla.TELinear = duplicated_linear
+    try:
+        yield
+    finally:
+        absorbed_mla.TELinear = original
 
 
 # --- 6. megatron-bridge's PEFT believes TE is installed when it is not ---------------------------
@@ -230,36 +259,125 @@ def _pipeline_embedding_without_cuda() -> None:
 # torch itself); other modules are untouched. With a GPU nothing changes.
 
 
-class _TorchWithCpuZeros(types.ModuleType):
+class _StreamThatWaitsForNothing:
+    def wait_event(self, event):
+        return None
+
+    def wait_stream(self, stream):
+        return None
+
+
+class _CudaOnCpu(types.ModuleType):
+    """`torch.cuda` as a module on a CUDA-less machine sees it: streams that wait for nothing."""
+
+    def __init__(self, cuda_module):
+        super().__init__("torch.cuda")
+        self._cuda = cuda_module
+
+    def __getattr__(self, name):
+        return getattr(self._cuda, name)
+
+    def current_stream(self, device=None):
+        return _StreamThatWaitsForNothing()
+
+
+class _TorchOnCpu(types.ModuleType):
+    """`torch` whose tensor factories put `device="cuda"` tensors on the CPU; everything else is torch."""
+
     def __init__(self, torch_module):
         super().__init__("torch")
         self._torch = torch_module
+        self.cuda = _CudaOnCpu(torch_module.cuda)
 
     def __getattr__(self, name):
         return getattr(self._torch, name)
 
-    def zeros(self, *args, device=None, **kwargs):
+    def _on_cpu(self, factory, *args, device=None, **kwargs):
         if device == "cuda" or (isinstance(device, self._torch.device) and device.type == "cuda"):
             device = "cpu"
-        return self._torch.zeros(*args, device=device, **kwargs)
+        return factory(*args, device=device, **kwargs)
+
+    def zeros(self, *args, **kwargs):
+        return self._on_cpu(self._torch.zeros, *args, **kwargs)
+
+    def ones(self, *args, **kwargs):
+        return self._on_cpu(self._torch.ones, *args, **kwargs)
+
+    def empty(self, *args, **kwargs):
+        return self._on_cpu(self._torch.empty, *args, **kwargs)
+
+    def tensor(self, *args, **kwargs):
+        return self._on_cpu(self._torch.tensor, *args, **kwargs)
 
 
-def _pipeline_schedules_without_cuda() -> None:
+def _torch_on_cpu_in(*module_names: str) -> None:
     import torch
 
     if torch.cuda.is_available():
         return
-    from megatron.core.pipeline_parallel import schedules
+    for name in module_names:
+        module = importlib.import_module(name)
+        if not isinstance(module.torch, _TorchOnCpu):
+            module.torch = _TorchOnCpu(torch)
 
-    if not isinstance(schedules.torch, _TorchWithCpuZeros):
-        schedules.torch = _TorchWithCpuZeros(torch)
+
+def _pipeline_schedules_without_cuda() -> None:
+    _torch_on_cpu_in("megatron.core.pipeline_parallel.schedules")
 
 
-def install() -> None:
-    _absorbed_mla_duplicated_linear()
+# --- 9. megatron-core's DDP grad buffers, optimizers and grad norms use CUDA tensors and streams ----
+# `_ParamAndGradBucketGroup.start_grad_sync` asks `torch.cuda.current_stream()` before every grad
+# reduction; the optimizers (`FP32Optimizer`'s scale, the mixed-precision and distributed
+# optimizers' buffers), `clip_grads` and `finalize_model_grads` make `device="cuda"` tensors, and so
+# does `core/utils.py`'s l2-norm fallback for the missing apex kernels. On a machine with no CUDA
+# device those modules see item 8's `torch`: "cuda" tensors land on the CPU and the current stream
+# waits for nothing; other modules are untouched. With a GPU nothing changes.
+
+OPTIMIZER_MODULES = ("megatron.core.distributed.param_and_grad_buffer", "megatron.core.distributed.finalize_model_grads",
+                     "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
+                     "megatron.core.optimizer.clip_grads", "megatron.core.utils")
+
+
+def _optimizer_without_cuda() -> None:
+    _torch_on_cpu_in(*OPTIMIZER_MODULES)
+
+
+# --- 10. megatron-core's optimizers tell fp32 from fp16 params by CUDA type names ------------------
+# `clip_grad_by_total_norm_fp32` asserts `param.grad.type() == 'torch.cuda.FloatTensor'` at every
+# step, and the mixed-precision and distributed optimizers sort params by `param.type()` against
+# 'torch.cuda.FloatTensor' / 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor', raising for
+# anything else. On a machine with no CUDA device, inside this block (the trainer wraps building
+# the optimizer and each step in it) a CPU tensor's `type()` answers with the CUDA name of its
+# dtype; outside it, and with a GPU, nothing changes.
+
+
+@contextmanager
+def cuda_type_names():
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def type_(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        if args or kwargs or tensor.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def enable_cpu_support() -> None:
+    """Items 4, 6, 7 and 8, each where it applies (see the module docstring); idempotent."""
     _current_device_on_cpu_machines()
-    _import_bridge_without_te()
-    _provider_mtp_spec_hook()
-    _peft_te_flags()
+    with megatron_bridge_without_te():
+        _peft_te_flags()
     _pipeline_embedding_without_cuda()
     _pipeline_schedules_without_cuda()
+    _optimizer_without_cuda()

@@ -40,7 +40,9 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
 
     from glm5_bridge.convert import hf_to_megatron, load_megatron_checkpoint, megatron_to_hf
     from glm5_bridge.train.data import arithmetic_problems
-    from glm5_bridge.testing import load_hf, make_tiny_checkpoint, megatron_logits
+    from glm5_bridge.hf import load_hf
+    from glm5_bridge.parity import megatron_logits
+    from glm5_bridge.tiny import make_tiny_checkpoint
     from glm5_bridge.train.recipe import load_recipe, to_yaml
     from glm5_bridge.train.sft import train_sft
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test, then the backend timings, on a CUDA machine with tilelang, megatron-core,
-# megatron-bridge and transformers importable. On the device machine (docs/tilelang.md):
+# megatron-bridge and transformers importable. On the device machine (benchmarks/README.md):
 #   bash ../shared/device/wheels.sh                       # here, once: fills .whl-a / .whl-b
 #   run 1, carry [".whl-a"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-a/*.whl
 #   run 2, carry [".whl-b"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-b/*.whl \

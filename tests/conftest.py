@@ -2,8 +2,11 @@
 
 import pytest
 
-import glm5_bridge  # noqa: F401  (registers the bridge, installs the CPU workarounds)
+import glm5_bridge
 from glm5_bridge.testing import make_tiny_checkpoint
+
+glm5_bridge.register()
+glm5_bridge.enable_cpu_support()  # the tests run megatron-core's pieces on CPUs (compat.py)
 
 
 @pytest.fixture(scope="session")

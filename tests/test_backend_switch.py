@@ -114,7 +114,7 @@ def test_tilelang_backend_validates_inputs():
 
 
 def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
-    from glm5_bridge.kernels.sparse_mla import kernel_indices
+    from glm5_bridge.kernels.ops import kernel_indices
     from glm5_bridge.kernels.sparse_mla_fwd import active_slots
 
     lengths = [70, 1, 130]
@@ -142,7 +142,7 @@ def test_heads_pad_to_each_kernel_sets_tile():
     two >= 8; upstream's index 16-head tiles unguarded, so theirs pad to >= 16. The autograd glue
     pads by the set it runs (ops.min_heads): 4 heads reach the reference ops as 8."""
     from glm5_bridge.kernels import reference
-    from glm5_bridge.kernels.sparse_mla import UPSTREAM_MIN_HEADS, SparseMLA, kernel_heads
+    from glm5_bridge.kernels.ops import UPSTREAM_MIN_HEADS, SparseMLA, kernel_heads
 
     assert [kernel_heads(h) for h in (1, 4, 8, 9, 16, 33, 64, 128)] == [8, 8, 8, 16, 16, 64, 64, 128]
     assert [kernel_heads(h, UPSTREAM_MIN_HEADS) for h in (1, 8, 9, 64)] == [16, 16, 16, 64]
@@ -168,7 +168,7 @@ def test_forward_block_divides_every_kernel_topk():
     the padded top-k the kernels get, for every head count and top-k the backend accepts: a block
     chosen by the head count alone would be 128 for 64 heads at top-k 320 (a multiple of 64 only)
     and fail the kernel's `topk % block_i` assertion at build time."""
-    from glm5_bridge.kernels.sparse_mla import kernel_heads, kernel_topk
+    from glm5_bridge.kernels.ops import kernel_heads, kernel_topk
     from glm5_bridge.kernels.sparse_mla_fwd import block_keys
 
     for heads in range(1, 129):
@@ -292,7 +292,7 @@ def test_fp32_inputs_run_float16_kernels_with_scaled_dout():
     """fp32 q/kv go through the kernels as float16 (kernel_dtype): 8× finer rounding than bf16, and
     a dout far below float16's range (a mean loss over many tokens) still gives exact-scale grads
     thanks to the power-of-two dout scaling. Reference: the unfused backend in fp32."""
-    from glm5_bridge.kernels.sparse_mla import FP16_MAX_INPUT, kernel_dtype
+    from glm5_bridge.kernels.ops import FP16_MAX_INPUT, kernel_dtype
 
     lengths, heads, scale = [20, 17, 13], 4, 256 ** -0.5
     q, kv, idx = _inputs(lengths, heads, 40, seed=3)
@@ -362,7 +362,7 @@ def test_indexer_host_code_matches_torch_topk(row_block):
                                kernel=indexer.reference_logits_kernel(heads, dim))
     ref = select_topk(q, k, w, starts, topk)
     assert torch.equal(ours.sort(1).values, ref.sort(1).values)
-    assert torch.equal(indexer.select_topk(q, k, w, starts, topk), ref)  # CPU/fp32: the torch path itself
+    assert torch.equal(backends.topk_selector("tilelang")(q, k, w, starts, topk), ref)  # CPU/fp32: the torch path
     # a tensor-parallel rank's share of the rows (attention/topk.select_topk_split), mid-sequence
     for a, b in [(70, 200), (0, 1), (300, 307)]:
         part = indexer.select_topk(q, k, w, starts, topk, rows=(a, b), row_block=row_block,

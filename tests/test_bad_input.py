@@ -659,7 +659,7 @@ def test_source_only_read_and_no_arbitrary_unpickling(source, run, megatron_chec
     are unchanged, and every global any pickle load resolved along the way is on the
     distributed-checkpoint metadata allowlist (trainer checkpoints load with weights_only=True,
     which resolves none through pickle)."""
-    from glm5_bridge.convert import _METADATA_GLOBALS
+    from glm5_bridge.files import _METADATA_GLOBALS
 
     path, hashes = source
     work = _copy(run, tmp_path / "run")
@@ -701,7 +701,7 @@ def test_package_never_unpickles_freely():
 # ------------------------------------------------------------------- what a killed writer leaves behind
 
 def test_abandoned_temporaries_are_removed_live_ones_kept(tmp_path):
-    from glm5_bridge.convert import remove_abandoned
+    from glm5_bridge.files import remove_abandoned
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -720,7 +720,7 @@ def test_abandoned_temporaries_are_removed_live_ones_kept(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_content_on_failure(tmp_path, monkeypatch):
-    from glm5_bridge.convert import atomic_write_text
+    from glm5_bridge.files import atomic_write_text
 
     atomic_write_text(tmp_path / "latest", "step_0000002")
 

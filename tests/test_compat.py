@@ -31,8 +31,7 @@ def test_2_provider_still_starts_nccl_and_seeds_cuda():
 def test_3_provider_still_builds_mtp_spec_with_te():
     from megatron.bridge.models import gpt_provider
 
-    original = gpt_provider.mtp_block_spec.__wrapped__
-    assert "use_transformer_engine=True" in inspect.getsource(original)
+    assert "use_transformer_engine=True" in inspect.getsource(gpt_provider.mtp_block_spec)
 
 
 def test_4_megatron_core_still_places_buffers_with_cuda_current_device():
@@ -76,4 +75,30 @@ def test_8_pipeline_schedules_still_count_tokens_on_cuda():
                      schedules.forward_backward_pipelining_with_interleaving):
         assert 'torch.zeros([], dtype=torch.int, device="cuda")' in inspect.getsource(schedule), schedule.__name__
     assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
-    assert schedules.torch.ones is torch.ones  # everything else is torch itself
+    assert schedules.torch.cat is torch.cat  # everything else is torch itself
+
+
+def test_9_ddp_buffers_and_optimizers_still_use_cuda_tensors_and_streams():
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    assert "torch.cuda.current_stream()" in inspect.getsource(_ParamAndGradBucketGroup.start_grad_sync)
+    assert "device='cuda'" in inspect.getsource(FP32Optimizer.__init__)
+    assert "device='cuda'" in inspect.getsource(clip_grads.get_grad_norm_fp32)
+    for name in compat.OPTIMIZER_MODULES:
+        module = __import__(name, fromlist=["torch"])
+        assert module.torch.tensor([1.0], device="cuda").device.type == "cpu", name
+        assert module.torch.cat is torch.cat
+
+
+def test_10_optimizers_still_check_cuda_type_names():
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert "param.grad.type() == 'torch.cuda.FloatTensor'" in inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32)
+    assert "model_param.type() == 'torch.cuda.FloatTensor'" in inspect.getsource(DistributedOptimizer)
+    t = torch.zeros(2)
+    with compat.cuda_type_names():
+        assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+    assert t.type() == "torch.FloatTensor"

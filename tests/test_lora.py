@@ -12,10 +12,10 @@ import zlib
 import pytest
 import torch
 from safetensors.torch import load_file
-from megatron.bridge.peft.lora_layers import LoRALinear
 
 from glm5_bridge.distributed import run_local_ranks
 from glm5_bridge.model.layers import DuplicatedLinear
+from glm5_bridge.model.lora_fold import LoRALinear  # megatron-bridge's, imported without TE (compat item 1)
 from glm5_bridge.train.lora import (
     MLA_TARGETS,
     DuplicatedLinearAdapter,
@@ -211,7 +211,9 @@ def _lora_grads_tp1_then_tp2(rank, world_size, path, out_root, token_parallel=Fa
 def _lora_grads(path, tp, adapter_dir, token_parallel=False):
     """Loss, full (gathered) LoRA grads and upstream's `LoRALinear.weight` behaviour at this TP;
     the adapter is exported to `adapter_dir`."""
-    import glm5_bridge  # noqa: F401
+    import glm5_bridge
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 

@@ -88,7 +88,9 @@ def _gather_vocab(logits):
 
 
 def _build(path, **overrides):
-    import glm5_bridge  # noqa: F401  (bridge registration, CPU workarounds)
+    import glm5_bridge
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
     from glm5_bridge.model.bridge import build_megatron_model
 
     return build_megatron_model(path, **overrides)
@@ -591,7 +593,9 @@ def main() -> int:
     import tempfile
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import glm5_bridge  # noqa: F401
+    import glm5_bridge
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
     from safetensors.torch import load_file
 
     from glm5_bridge.testing import make_tiny_checkpoint

@@ -3,10 +3,12 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from glm5_bridge.train.recipe import load_recipe
+from glm5_bridge.train.recipe import Recipe, load_recipe, to_yaml
 
-RECIPES = sorted(Path(__file__).resolve().parents[1].joinpath("recipes").glob("*.yaml"))
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
@@ -29,6 +31,75 @@ def test_typo_names_the_key(tmp_path):
         load_recipe(bad)
     with pytest.raises(ValueError, match=r"train\.steps"):
         load_recipe(RECIPES[0], ["train.steps=many"])
+
+
+# What the GLM-5.x recipes held before they were split into recipes/base/ + two lines per model;
+# they must still load to exactly this (schema defaults for everything not named).
+_BIG = {"model": {"dsa_attention_backend": "tilelang", "tensor_model_parallel_size": 8,
+                  "expert_model_parallel_size": 8, "bf16": True},
+        "lora": {"dim": 64, "alpha": 128}, "export": {"kind": "adapter"}}
+BEFORE_SPLIT = {
+    "sft": OmegaConf.merge(_BIG, {"task": "sft", "data": {"train": "/path/to/chat.jsonl", "max_tokens": 16384},
+                                  "train": {"steps": 1000, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 50,
+                                            "save_every": 100}}),
+    "rl": OmegaConf.merge(_BIG, {"task": "rl", "data": {"train": "/path/to/rollouts.jsonl", "max_tokens": 16384},
+                                 "train": {"steps": 200, "lr": 1e-5, "save_every": 20},
+                                 "rl": {"clip_eps": 0.2, "kl_coef": 0.001, "replay": True}}),
+}
+MODELS = {"glm5": "GLM-5", "glm51": "GLM-5.1", "glm52": "GLM-5.2"}
+
+
+def _flat(config, prefix=""):
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("task", ["sft", "rl"])
+@pytest.mark.parametrize("stem", MODELS)
+def test_model_recipes_are_their_base_plus_checkpoint_and_output(stem, task):
+    path = RECIPE_DIR / f"{stem}_lora_{task}.yaml"
+    own = {"model": {"checkpoint": f"/path/to/{MODELS[stem]}"}, "train": {"output_dir": f"runs/{stem}_lora_{task}"}}
+    expected = OmegaConf.merge(OmegaConf.structured(Recipe), BEFORE_SPLIT[task], own)
+    assert to_yaml(load_recipe(path)) == OmegaConf.to_yaml(expected)
+    # The file holds only its base and those two values; everything else is the base's.
+    assert sorted(_flat(OmegaConf.to_container(OmegaConf.load(path)))) == ["base", "model.checkpoint",
+                                                                          "train.output_dir"]
+    loaded = _flat(OmegaConf.to_container(OmegaConf.structured(load_recipe(path))))
+    base = _flat(OmegaConf.to_container(OmegaConf.structured(load_recipe(RECIPE_DIR / "base" / f"lora_{task}.yaml"))))
+    assert {k for k in loaded if loaded[k] != base[k]} == {"model.checkpoint", "train.output_dir"}
+
+
+def test_base_chain_merges_in_order(tmp_path):
+    (tmp_path / "bases").mkdir()
+    (tmp_path / "bases" / "root.yaml").write_text("lora:\n  dim: 4\n  alpha: 8\ntrain:\n  steps: 3\n")
+    (tmp_path / "bases" / "mid.yaml").write_text("base: root.yaml\nlora:\n  dim: 6\n")
+    (tmp_path / "run.yaml").write_text("base: bases/mid.yaml\ntrain:\n  steps: 5\n")
+    recipe = load_recipe(tmp_path / "run.yaml", ["lora.alpha=9"])  # recipe over bases, overrides over all
+    assert (recipe.lora.dim, recipe.lora.alpha, recipe.train.steps) == (6, 9, 5)
+    (tmp_path / "bases" / "root.yaml").write_text("lora:\n  rnak: 4\n")  # a typo in a base names the base
+    with pytest.raises(ValueError, match=r"root\.yaml: .*lora\.rnak"):
+        load_recipe(tmp_path / "run.yaml")
+
+
+def test_missing_or_cyclic_base_is_one_line_naming_it(tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("base: base/nowhere.yaml\ntrain:\n  steps: 5\n")
+    with pytest.raises(ValueError) as e:
+        load_recipe(recipe)
+    assert str(e.value) == f"{recipe}: base recipe {tmp_path / 'base' / 'nowhere.yaml'} not found (key: base)"
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    recipe.write_text("base: a.yaml\n")
+    with pytest.raises(ValueError) as e:
+        load_recipe(recipe)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'b.yaml'}: base recipes form a cycle")
+    assert f"{tmp_path / 'a.yaml'})" in message
 
 
 def _tiny_sft(checkpoint, out, **extra):

@@ -8,7 +8,9 @@ from glm5_bridge.distributed import run_local_ranks
 
 
 def _tp_logits(rank, world_size, path, tp, seq, token_parallel=False):
-    import glm5_bridge  # noqa: F401
+    import glm5_bridge
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 

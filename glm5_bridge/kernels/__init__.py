@@ -33,7 +33,7 @@ compile_kernels(heads, topk, softmax_scale, parts, dtype, kernels)
     Build (or load from TileLang's disk cache) the kernels for one shape, e.g. in parallel
     processes before a run: each kernel compiles in 10–30 s the first time.
 
-Kernel sets (`tilelang_ops()` in sparse_mla.py picks one; $GLM5_DSA_KERNELS overrides):
+Kernel sets (`tilelang_ops()` in ops.py picks one; $GLM5_DSA_KERNELS overrides):
   "ours" (default): kernels/sparse_mla_fwd.py and sparse_mla_bwd.py — written here from the math,
           fp32 torch references beside them, dynamic token count (one build for every length),
           bf16 or float16. Device numbers and status: docs/kernels.md.
@@ -42,9 +42,8 @@ kernels/reference.py holds a torch version of the same two ops (same arguments, 
 convention) that the CPU tests run the autograd glue against.
 """
 
-from glm5_bridge.kernels.sparse_mla import (
-    D_QK,
-    D_V,
+from glm5_bridge.kernels._tilelang import D_QK, D_V
+from glm5_bridge.kernels.ops import (
     SparseMLA,
     compile_kernels,
     require_tilelang,

@@ -11,10 +11,10 @@ score block — never [T, T] — and causal blocks score half the keys on averag
 (radix_topk.py) then takes each row's top-k within the block. Host side per call: one host read
 (every block's window start, `window_starts`); per block an int32 view of its starts, the score
 block's allocation and the two kernels — the kernel reads the block's q, w and window keys where
-they lie and derives each row's window itself, so nothing is padded or copied. Against one read
-and ~20 small ops (padding copies, bound tensors) per block before: 1.41 → 1.06 / 4.33 → 3.52 /
-15.75 → 13.90 ms for select_topk at 8K / 16K / 32K, a TP 8 rank's share at 8K 0.55 → 0.38 ms
-(run BE, H100, same process).
+they lie and derives each row's window itself, so nothing is padded or copied. select_topk
+takes 1.08 / 3.47 / 13.76 ms at 8K / 16K / 32K tokens on an H100 (upstream's TileLang scores +
+torch.topk 7.89 / 29.71 / 116.22); one host read and ~20 small ops (padding copies, bound
+tensors) per block instead cost 1.41 against 1.06 ms at 8K (H100, same process).
 
 Kernel: one CTA per (4 queries, 512 keys). The 4 queries' 32-head q rows stay in shared memory
 while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile one wgmma
@@ -23,21 +23,20 @@ accumulator registers: relu, head weights, each query's head sum (within the thr
 the 4 lanes of a quad) and the stores — no score tile in shared memory, no barrier. Keys outside
 a row's window are written as −inf; key chunks past every row of a CTA's group (the causal upper
 triangle) or before all their sequences' starts (earlier sequences of a packed batch) skip the
-GEMM and only write −inf (the second: 1.41 → 1.09 ms for 16K tokens as 16 × 1K, 1–2 % more
-where nothing is skipped; run BG, H100). Rows and keys are dynamic (one build per head count
+GEMM and only write −inf (the second, H100: 1.09 against 1.41 ms for 16K tokens as 16 × 1K,
+1–2 % more where nothing is skipped). Rows and keys are dynamic (one build per head count
 and head dim); the score block comes in whole tiles, the inputs unpadded. Two CTAs share an SM
 (under 128 registers, 99 KB of shared memory).
 
-The register epilogue (docs/kernels.md, runs BB–BD, H100s, against the previous kernel in one
-process): 6–11 % faster at 16K / 32K tokens (run BC: 3.04 / 10.82 ms for the score blocks against
-3.35 / 11.77); at 8K the runs disagree (+26 %, +8 %, +1 %, −24 %: run BD's machine drifted). The
-previous epilogue went through a shared-memory score tile, a generic head reduction and three
-barriers per tile. ncu (8K, the 4096-row block): tensor pipe 51 % of the elapsed cycles, L1/TEX
+The register epilogue, against one through a shared-memory score tile (a generic head reduction,
+three barriers per tile) in the same process on H100s: 6–11 % faster at 16K / 32K tokens (3.04 /
+10.82 ms for the score blocks against 3.35 / 11.77); at 8K no gain could be told from the
+machines' drift. ncu (8K, the 4096-row block): tensor pipe 51 % of the elapsed cycles, L1/TEX
 (shared memory) 70 %, L2 41 %: the wgmmas read 96 KB of shared-memory operands per 4.2-MFLOP tile
 (B, the q rows, once per warpgroup) and cp.async writes 32 KB more, which at the tensor peak
 would need all of the SM's 128 B/clock. More queries per CTA (8 or 16, one CTA per SM, the next
 group's wgmma in flight during this one's epilogue) cut the L2 traffic by 2–4× but were no
-faster (run BC). Earlier tile sizes: benchmarks/results/…runLM… and …runO….
+faster. Earlier tile sizes and variants: benchmarks/LOG.md.
 
 bf16 only (q, k as the indexer computes them in a bf16 model). fp32 inputs keep the torch path:
 a kernel rounding them to bf16 could reorder near-tied keys against the reference.
@@ -47,7 +46,7 @@ import functools
 
 import torch
 
-from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
+from glm5_bridge.kernels._tilelang import compile_kernel, tl
 
 ROW_BLOCK = 4096  # rows per selection call: the score block is ROW_BLOCK · window · 4 bytes
 QUERIES = 4  # queries per CTA: one wgmma of N = 4 · heads columns per key tile (SCORE_EPILOGUE's quad)
@@ -115,7 +114,7 @@ def logits_kernel(heads: int, dim: int, threads: int = 256):
     """Scores of one row block (block_scores): Q, W, Starts its rows r0 … r0 + nr − 1 as they lie,
     K the keys w0 … of its window as they lie; L [rows padded to QUERIES, keys padded to CHUNK].
     Reads past Q, W and K come back as zeros and score −inf, so nothing is padded or copied."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     m_rows = QUERIES * heads
     assert CHUNK % KEYS == 0 and heads % 8 == 0 and threads == 256  # SCORE_EPILOGUE's layout
     bf16, f32 = T.bfloat16, T.float32
@@ -150,7 +149,7 @@ def logits_kernel(heads: int, dim: int, threads: int = 256):
                 T.copy(W[row * heads:(row + QUERIES) * heads], w_s)
                 # the copy one step ahead of the GEMM and the epilogue: the next tile's copy goes out
                 # at the top of a step (the inferred schedule issued it after the GEMM, between two
-                # more barriers: slower at 16K / 32K in run BD)
+                # more barriers: slower at 16K / 32K on an H100)
                 for kt in T.Pipelined(CHUNK // KEYS, order=[0, 1, 2], stage=[0, 1, 1]):
                     k0 = bc * CHUNK + kt * KEYS
                     T.copy(K[k0:k0 + KEYS, :], k_s)
@@ -161,7 +160,7 @@ def logits_kernel(heads: int, dim: int, threads: int = 256):
                 for i, j in T.Parallel(QUERIES, CHUNK):
                     L[row + i, bc * CHUNK + j] = -T.infinity(f32)
 
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[])
 
 
 @functools.cache
@@ -175,7 +174,7 @@ def _ceil_to(x: int, tile: int) -> int:
 
 def reference_logits_kernel(heads: int, dim: int):
     """`logits_kernel` in torch, same arguments and output (for the CPU tests of the host code)."""
-    from glm5_bridge.model.attention.topk import index_scores
+    from glm5_bridge.kernels.reference import index_scores
 
     def run(q, k, w, starts, out, w0, r0):
         s = index_scores(q.view(-1, heads, dim), k, w.view(-1, heads))  # [rows, window keys]
@@ -220,19 +219,24 @@ def torch_select(scores, topk: int, out, base: int):
     return out
 
 
+def accepts(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The score kernel runs bf16 CUDA inputs; the model's backend sends anything else to the torch
+    selection (model/attention/backends.py)."""
+    return q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+
+
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
                 topk: int, rows: tuple[int, int] | None = None, row_block: int = ROW_BLOCK, kernel=None,
                 select=None) -> torch.Tensor:
-    """attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded; rows=(a, b):
-    queries a … b−1 only) with the scores from our kernel; non-bf16 or CPU inputs go to the torch
-    version unchanged. `kernel` replaces the score kernel (reference_logits_kernel runs this host
-    code on the CPU); `select` replaces the selection (default: our radix select on the GPU,
-    `torch_select` with `kernel`)."""
-    from glm5_bridge.model.attention import topk as torch_topk
+    """model/attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded;
+    rows=(a, b): queries a … b−1 only) with the scores from our kernel (inputs as `accepts` says).
+    `kernel` replaces the score kernel (reference_logits_kernel runs this host code on the CPU);
+    `select` replaces the selection (default: our radix select on the GPU, `torch_select` with
+    `kernel`)."""
     from glm5_bridge.kernels import radix_topk
 
-    if kernel is None and not (q.is_cuda and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16):
-        return torch_topk.select_topk(q, k, weights, starts, topk, rows)
+    if kernel is None and not accepts(q, k):
+        raise ValueError(f"the indexer kernel takes bf16 CUDA q and k, got {q.dtype} / {k.dtype} on {q.device}")
     select = select or (torch_select if kernel is not None else radix_topk.select)
     a, b = rows or (0, k.shape[0])
     out = torch.empty((b - a, topk), dtype=torch.int64, device=k.device)  # every select writes all its slots

@@ -16,9 +16,19 @@ from types import SimpleNamespace
 
 import torch
 
-from glm5_bridge.kernels.sparse_mla import D_V, MIN_HEADS
+from glm5_bridge.kernels.ops import D_V, MIN_HEADS
 
 LN2 = math.log(2.0)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's scores: scores[t, s] = Σ_h weights[t, h] · relu(q[t, h] · k[s]) in fp32
+    (the math kernels/indexer.py's score kernel computes; model/attention/topk.py selects on it).
+
+    q: [rows, H, D], k: [T, D], weights: [rows, H] (already scaled by H^-0.5 · D^-0.5).
+    """
+    logits = torch.einsum("rhd,sd->rhs", q.float(), k.float()).relu_()
+    return torch.einsum("rhs,rh->rs", logits, weights.float())
 
 
 def _unpack(q, kv, idx):
@@ -66,11 +76,9 @@ def random_causal_topk(lengths: list[int], topk: int, *, device="cpu", generator
     """A valid [T, topk] top-k for sequences of `lengths` packed end to end: each query picks
     min(topk, visible) distinct keys of its own causal window at random, in a random slot order
     (−1 slots interleaved, not only at the end) — inputs for checking kernels on any pattern."""
-    from glm5_bridge.model.attention.topk import flat_starts_thd
-
-    cu = torch.tensor([0, *lengths]).cumsum(0)
-    total = int(cu[-1])
-    starts = flat_starts_thd(cu, total).to(device)
+    total = sum(lengths)
+    firsts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    starts = firsts.repeat_interleave(torch.tensor(lengths)).to(device)
     keys = torch.arange(total, device=device)
     out = torch.full((total, topk), -1, dtype=torch.int64, device=device)
     width = min(topk, total)

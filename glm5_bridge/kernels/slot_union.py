@@ -8,12 +8,12 @@ kernels' callers use: on the GPU `union_slots_kernel`, on the CPU `union_slots_r
 segmented torch sort, also the kernel's reference in the tests).
 
 Sorting is the wrong tool: a sort of the group's g·K keys (torch's: 2.8 ms at 8K tokens × 16
-heads on an H100, a fifth of the grouped backward; a Triton `tl.sort` per group was no faster,
-run AK in docs/kernels.md) costs more than the union needs. The keys of a group lie in a narrow
+heads on an H100, a fifth of the grouped backward; a Triton `tl.sort` per group was no faster)
+costs more than the union needs. The keys of a group lie in a narrow
 range (causal, one sequence), so `union_slots_kernel` marks them in a map over that range instead,
 in windows of WINDOW keys: bit j of map[key − w0] set (shared-memory atomicOr) when token j chose
 the key, then the window's set entries compacted in key order, so the union comes out ascending,
-as from the sort. 0.1 ms at 8K (run AM); tests/test_slot_union_emulated.py checks its logic on
+as from the sort. 0.1 ms at 8K (H100); tests/test_slot_union_emulated.py checks its logic on
 emulated thread blocks on the CPU, tests/gpu against the sort on the GPU.
 """
 
@@ -144,9 +144,9 @@ def union_kernel(group: int, topk: int):
     """idx [T, topk] int32 → (union, vis, cnt) as union_slots_reference, written into the given
     [⌈T/group⌉, group·topk] / [⌈T/group⌉] int32 tensors; group ≤ 31 (one bit per token). Dynamic
     token count: one build per (group, topk)."""
-    from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
+    from glm5_bridge.kernels._tilelang import compile_kernel, tl
 
-    tilelang, T = _tl()
+    tilelang, T = tl()
     assert 1 <= group < 32
     slots = group * topk
     threads = 512 if slots > 8192 else 256  # at most 32 keys in each thread's registers
@@ -160,7 +160,7 @@ def union_kernel(group: int, topk: int):
                           T.address_of(Idx[g * group, 0]), T.min(nt - g * group, group) * topk,
                           T.address_of(Union[g, 0]), T.address_of(Vis[g, 0]), T.address_of(Cnt[g]))
 
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[])
 
 
 @functools.cache

@@ -14,20 +14,21 @@ dP = dO·Vᵀ, dS (both kept in shared memory); dq += dS·K in registers (wgmma 
 block's dKV rows = dSᵀ·Q + Pᵀ·dO, 128 channels at a time (M = 64 wgmma tiles summed over heads),
 added into dkv[idx] straight from the accumulator (16-byte fp32 atomics into a channel-permuted
 dkv, DKV_ADD; `bwd` puts the channels back) while the next block's keys are already loading. No
-P/dS tensor in global memory, no scratch, Q and dO read once. H200, 8K tokens, kernel alone (runs
-T, U): 15.4 ms at 64 heads, 15.3 at 32, 12.2 at 16 (110 KB of shared memory: two CTAs per SM),
-where the two-kernel split it replaced (ds_kernel wrote P and dS to global memory, dkv_kernel
-added the dKV rows; removed after run U, see docs/kernels.md) took 20.1, 18.2 and 15.7 ms. The
-dKV adds (T × used slots × 576 fp32) are the backward's floor: alone (dkv_adds_kernel) they take
-10.7-10.9 ms at 8K whatever the head count, about 3.2 TB/s of 16-byte fp32 reductions (run AI).
+P/dS tensor in global memory, no scratch, Q and dO read once. H100, 8K tokens × 64 heads: 15.23 ms
+= 388 TFLOP/s with delta and the dkv zeroing (upstream's backward 70.76 ms). It replaced a
+two-kernel split (ds_kernel wrote P and dS to global memory, dkv_kernel added the dKV rows),
+which was slower at every head count (H200, 8K, one token per CTA: 20.1 / 18.2 / 15.7 ms at
+64 / 32 / 16 heads against 15.4 / 15.3 / 12.2). The dKV adds (T × used slots × 576 fp32) are
+the backward's floor: alone (dkv_adds_kernel) they take 10.7-10.9 ms at 8K whatever the head
+count, about 3.2 TB/s of 16-byte fp32 reductions (H200).
 So below 64 heads a CTA takes 64 // H neighbouring tokens (token_group): their (token, head) rows
 fill the 64-row tiles and they walk the union of their slots (slot_union.py), a row masked where its
 token did not select the key, so a shared key is gathered once and its dKV row summed over the
-group before one add (runs AJ, AM: 8.0 against 13.5 ms per token at 8K × 16 heads on an H100).
+group before one add (H100, 8K × 16 heads: 8.0 ms against 13.5 with one token per CTA).
 The kernel walks only a token's (a group's) active slot blocks (sparse_mla_fwd.active_slots).
 
 Every kernel has a dynamic token count (one build for all lengths) and takes bfloat16 or float16
-(the fused backend feeds fp32 models through float16: 8× finer rounding, see sparse_mla.py).
+(the fused backend feeds fp32 models through float16: 8× finer rounding, see ops.py).
 """
 
 import functools
@@ -36,7 +37,8 @@ import math
 import torch
 
 from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shape, token_group, union_slots
-from glm5_bridge.kernels.sparse_mla_fwd import D_QK, D_TAIL, D_V, LOG2E, _pass_configs, _tl, scores_macro, walked_slots
+from glm5_bridge.kernels._tilelang import D_QK, D_TAIL, D_V, LOG2E, compile_kernel, tl
+from glm5_bridge.kernels.sparse_mla_fwd import scores_macro, walked_slots
 
 
 
@@ -94,17 +96,17 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     bytes per thread into the channel-permuted dkv (DKV_ADD; the raw kernel's dkv needs
     `[:, fused_dkv_order()]`), so a warp's add covers 64 contiguous bytes of each of 8 rows. H200,
     4K / 8K / 16K tokens: 6.71 / 15.25 / 33.6 ms against 8.05 / 18.08 / 38.4 with 8-byte adds in
-    natural channel order (32 bytes of 8 rows per instruction; run S, one run). cols: dKV channels
+    natural channel order (32 bytes of 8 rows per instruction; same process). cols: dKV channels
     per wgmma tile — with the 8-byte adds 128 measured faster than 64 (18.4 ms) and as fast as 256
     (18.0 ms at 8K, which spills more registers). At 16 heads with one token per CTA (group=1) a
     CTA needs 110 KB, so two share an SM (min_blocks 2: ptxas then fits the kernel in 128
-    registers without spills; 12.2 against 13.3 ms with one CTA per SM at 8K, run T).
+    registers without spills; 12.2 against 13.3 ms with one CTA per SM at 8K, H200).
     adds=False leaves the adds out (behind a run-time condition that never holds, so the GEMMs
     stay): the benchmark's cost split, not a backward. group: tokens per CTA (default
     token_group(heads)); above 1 the kernel sees each group as one "token" of group·heads rows and
     group·topk slots (the union, `fused_call`), a row seeing a slot where its token's bit is set
     in Vis."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     # 64 keys per step and two warpgroups: DKV_ADD reads the m64 accumulator tile of two
     # warpgroups, 16-channel blocks per warpgroup
@@ -192,7 +194,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
             if hb == 64 and dq_dtype(dtype) == dtype:
                 # dq leaves through the Q tiles (free after the last block): 16-byte row stores
                 # instead of 4-byte fragment stores; 15.2-15.3 against 15.5 ms at 8K x 64 heads, but
-                # 16.9 against 15.3 at 32 heads (not profiled), so only at 64 (run AD)
+                # 16.9 against 15.3 at 32 heads (not profiled), so only at 64 (H200)
                 T.copy(acc_dq, q_s)
                 T.copy(acc_dqt, qt_s)
                 T.copy(q_s, dQ[r0:r0 + hb, 0:D_V])
@@ -201,7 +203,7 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
                 T.copy(acc_dq, dQ[r0:r0 + hb, 0:D_V])
                 T.copy(acc_dqt, dQ[r0:r0 + hb, D_V:D_QK])
 
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[])
 
 
 def dkv_adds_kernel(topk: int, cols: int = 128):
@@ -210,7 +212,7 @@ def dkv_adds_kernel(topk: int, cols: int = 128):
     no gathers, no GEMMs, 256 threads. dkv[j, c] += the number of times key j is selected. It
     measures the floor the adds put under the backward whatever its head count (the add bytes
     do not depend on H): benchmarks/bench_dsa.py's bwd_parts variant "adds_only"."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     block_i, f32 = 64, T.float32
     n, nkv = T.dynamic("num_tokens"), T.dynamic("num_kv")
 
@@ -227,14 +229,14 @@ def dkv_adds_kernel(topk: int, cols: int = 128):
                 T.call_extern("handle", f"glm5_dkv_add<{D_TAIL}>", ones.data, T.address_of(Idx[t, i * block_i]),
                               T.address_of(dKV[0, D_V]), 0, nkv)
 
-    return tilelang.compile(main, out_idx=[], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[])
 
 
 def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int = 128):
     """delta[t, h] = Σ_c out[t, h, c] · dout[t, h, c] in fp32, one CTA per (token, 16 heads).
     In torch (out.float() * dout.float()).sum(-1) moves ~7 GB at 8K tokens × 64 heads (≈ 2 ms);
     this reads the two bf16 tensors once (1 GB)."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     hb = min(hb, heads)
     assert heads % hb == 0
     dt, f32 = getattr(T, dtype), T.float32
@@ -255,7 +257,7 @@ def delta_kernel(heads: int, dtype: str = "bfloat16", hb: int = 16, threads: int
             T.reduce_sum(prod, d, dim=1)
             T.copy(d, Delta[t, g * hb:(g + 1) * hb])
 
-    return tilelang.compile(main, out_idx=[-1], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[-1])
 
 
 @functools.cache

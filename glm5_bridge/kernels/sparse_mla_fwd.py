@@ -10,8 +10,8 @@ Layout: flat tokens, no batch axis. q [T, H, 576] bf16, kv [Tkv, 576] bf16, idx 
 out [T, H, 512] bf16, lse [T, H] fp32. T and Tkv are *dynamic* in the compiled kernel (one build
 serves every sequence length: no padding copies, no recompiles); H, K and the scale are baked in.
 
-Two kernels (measured on an H200 at S=8K, H=64, top-k 2048 — docs/kernels.md), both walking only
-a token's *active* slots, ceil(cnt[t] / block) blocks where cnt[t] = 1 + the last non-empty slot
+Two kernels (times at S=8K, top-k 2048, GPU named; history in benchmarks/LOG.md), both walking
+only a token's *active* slots, ceil(cnt[t] / block) blocks where cnt[t] = 1 + the last non-empty slot
 (`active_slots`): rows whose −1 slots come last (select_topk's order, which `SparseMLA` enforces)
 skip their empty blocks, e.g. the first 2048 tokens of a causal sequence.
 Both run 64-row tiles: a token's block of 64 heads, or below 64 heads a token group
@@ -21,15 +21,15 @@ lse go as flat (token, head) rows (`fwd_call`), the last group's missing rows bo
 - `seesaw_kernel` (what `get_kernel` builds for GLM-5 at every TP: 64-row tiles, slots per CTA a
   multiple of 128): warp-specialised — a producer warpgroup gathers 64-key blocks into two
   stages, two math warpgroups own alternate blocks so one's softmax overlaps the other's GEMMs
-  (FlashMLA's sparse-prefill schedule). Run AG: 3.83 ms = 609 TFLOP/s nominal over all slots at
-  64 heads (run AE, before O / l became O · (1/l): 4.27; run Z, before O left through shared
-  memory: 4.42; simple_kernel 5.28). Over token groups (run AO, H100, 8K): 2.01 / 2.94 ms at 16 /
-  32 heads, against 2.65 / 3.86 for simple_kernel's groups and 3.92 / 6.02 per token.
+  (FlashMLA's sparse-prefill schedule). 3.83 ms = 609 TFLOP/s nominal over all slots at 64 heads,
+  on an H100 and on an H200 (upstream's forward 7.92 ms on the H100). Over token groups (H100, one
+  process): 2.01 / 2.94 ms at 16 / 32 heads, against 2.65 / 3.86 for simple_kernel's groups and
+  3.92 / 6.02 per token.
 - `simple_kernel` (top-k not a multiple of 128, and the benchmark's baselines): 256 threads; each
   block of keys (128 at 64 rows, `block_keys`) is gathered into shared memory (cp.async through
   T.Pipelined), S = Q·Kᵀ on both warpgroups, online softmax, O += P·V in 64-key halves — the
-  textbook flash-attention loop. Run P: 5.18 ms = 451 TFLOP/s at 64 heads (upstream 7.95 ms in
-  the same run); on slots with −1 interleaved (nothing to skip) 6.55 ms.
+  textbook flash-attention loop. H200: 5.18 ms = 451 TFLOP/s at 64 heads (upstream 7.95 ms in
+  the same process); on slots with −1 interleaved (nothing to skip) 6.55 ms.
 """
 
 import functools
@@ -38,26 +38,9 @@ from types import SimpleNamespace
 
 import torch
 
+from glm5_bridge.kernels._tilelang import D_QK, D_TAIL, D_V, LOG2E, compile_kernel, tl
 from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shape, token_group, union_slots
 
-D_QK, D_V = 576, 512
-D_TAIL = D_QK - D_V
-LOG2E = 1.4426950408889634
-
-
-def _tl():
-    import tilelang
-    import tilelang.language as T
-
-    from glm5_bridge.kernels import tilelang_compat
-
-    tilelang_compat.install()  # before any kernel is built
-    return tilelang, T
-
-
-def _pass_configs(tilelang):
-    return {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
 
 
 # SKIP_NOTE: a loop over a token's active blocks has a run-time trip count. TileLang 0.1.15 then
@@ -76,7 +59,7 @@ def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     shared-memory traffic per key) and the softmax exchanges row statistics once per 128 keys.
     Shared memory: Q 72 KB + 128 keys 144 KB + one 64-key P tile 8 KB = 224 KB, so P·V runs in
     two 64-key halves. H200, 8K tokens: 5.18 against
-    6.09 ms with 64 keys (runs P, O). 64 without skipping (two pipeline stages would not fit),
+    6.09 ms with 64 keys. 64 without skipping (two pipeline stages would not fit),
     below 64 rows per CTA (one token per CTA below 64 heads: at 16 rows TileLang 0.1.15 cannot
     lower the 128-wide row reductions; token groups fill 64 rows) and when top-k is not a multiple
     of 128. heads: rows per CTA (a token group's g·H), topk: slots per CTA (its union's g·K)."""
@@ -120,7 +103,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     seeing a slot where its token's bit is set in Vis, as the backward's token groups do. Call it
     through `fwd_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
     [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb = min(heads, ROW_TILE)
     assert group == 1 or heads == hb, "token groups fill one row tile"
@@ -199,7 +182,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
             T.copy(acc_o, O[r0:r0 + hb, :])
             T.copy(rs, Lse[r0:r0 + hb])
 
-    return tilelang.compile(main, out_idx=[-2, -1], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[-2, -1])
 
 
 def fwd_call(kernel, group, q, kv, idx, cnt=None, union=union_slots):
@@ -231,14 +214,14 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     that stage's QK reads it: WG0 reads kl first, WG1 kr) refill a part as soon as it is free, so
     the gather of one block overlaps the math of the other. This is FlashMLA's sparse-prefill
     schedule (its code read to learn, not copied), rebuilt in TileLang. Shared memory: Q 72 KB
-    + 2 × 72 KB of keys = 216 KB. H200, 8K tokens: 3.83 ms (609 TFLOP/s, run AG) against 5.28 ms
-    for `simple_kernel` (run Z, docs/kernels.md). Q is copied by the two math warpgroups only:
+    + 2 × 72 KB of keys = 216 KB. 8K tokens: 3.83 ms (609 TFLOP/s; H100 and H200), where
+    `simple_kernel` takes 5.18 ms (H200). Q is copied by the two math warpgroups only:
     over 384 threads TileLang copies it 2 bytes at a time (ncu: 26 % of the stall samples). O
     leaves through the Q tiles once both warpgroups are past their last QK: 16-byte row stores
-    instead of 4-byte fragment stores over 8 rows (2–5 % faster, runs AC). regs: setmaxnreg of
+    instead of 4-byte fragment stores over 8 rows (2–5 % faster, H200). regs: setmaxnreg of
     WG0, WG1 and the producers (216 × 256 + 72 × 128 = 64,512 registers, the 168 per thread that
     ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups)."""
-    tilelang, T = _tl()
+    tilelang, T = tl()
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
@@ -304,7 +287,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
         T.barrier_arrive(w.done[own])
         T.barrier_wait(w.done[1 - own], 0)
         # one reciprocal per row, then products: the 128 IEEE divisions per thread this replaced
-        # took 7.5 of the 69.6 us an 8K-token CTA lives (clock64 stamps; 1.5 us after, run AG)
+        # took 7.5 of the 69.6 us an 8K-token CTA lives (clock64 stamps, H200; 1.5 us after)
         for h in T.Parallel(hb):
             w.l[h] = w.l[h] + w.l_s[1 - own, h]
             w.alpha[h] = T.if_then_else(w.l[h] > 0, 1.0 / w.l[h], 0)
@@ -468,10 +451,8 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                     gather_half(g, KV, Idx, t, 2 * p + 1, tx - 320, kl1, 0, g.free_l, g.full_l, 1, (p & 1) ^ 1)
                     gather_rope(g, KV, Idx, t, 2 * p + 1, tx - 320, kt1, g.free_t, g.full_t, 1, (p & 1) ^ 1)
 
-    cfg = dict(_pass_configs(tilelang))
     # the producers' cp.async targets are computed by hand; TileLang's bounds guards would wrap each
-    cfg[tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS] = True
-    return tilelang.compile(main, out_idx=[-2, -1], pass_configs=cfg)
+    return compile_kernel(main, out_idx=[-2, -1], TL_DISABLE_SAFE_MEMORY_ACCESS=True)
 
 
 def active_slots(idx: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""Workarounds for TileLang 0.1.15 bugs our kernels hit. Each item is one function, installed by
-`install()` (called where the kernels import TileLang, sparse_mla_fwd._tl), with a GPU test in
-tests/gpu/test_tilelang_compat.py that fails once TileLang no longer needs it.
+"""Workarounds for TileLang 0.1.15 bugs our kernels hit. Each item is one context manager, entered
+by `applied()` around the compilation of our own kernels only (kernels/_tilelang.compile_kernel):
+other TileLang kernels in the process, megatron-core's included, compile unpatched. Each has a GPU
+test in tests/gpu/test_tilelang_compat.py that fails once TileLang no longer needs it.
 """
 
 from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
 
 # --- 1. WGMMA B operand sliced along K, N-major: wrong offset between warpgroups ------------------
 # For an N-major ("MN-major") shared B operand TileLang's `wgmma_ss_atom` steps from one 64-column
@@ -16,15 +19,13 @@ from __future__ import annotations
 # (checked: our backward and indexer kernels compile to the same CUDA with and without it), and
 # megatron-core's TileLang ops, built in the same process by the benchmarks, slice no B along K.
 
-FIXED_ATTR = "_glm5_panel_stride_fixed"
 ENABLED = True  # the test switches it off to show that the bug is still there
 
 
-def _fix_mn_major_b_panel_stride() -> None:
+@contextmanager
+def _mn_major_b_panel_stride():
     from tilelang.cuda.intrinsics.macro.wgmma_macro_generator import TensorCoreIntrinEmitter
 
-    if getattr(TensorCoreIntrinEmitter, FIXED_ATTR, False):
-        return
     emit_atom = TensorCoreIntrinEmitter.wgmma_ss_atom
 
     def wgmma_ss_atom(self, desc_a, desc_b, C_buf, inst_m_idx, inst_n_idx, ki, a_params, b_params,
@@ -41,8 +42,16 @@ def _fix_mn_major_b_panel_stride() -> None:
             self.chunk = chunk
 
     TensorCoreIntrinEmitter.wgmma_ss_atom = wgmma_ss_atom
-    setattr(TensorCoreIntrinEmitter, FIXED_ATTR, True)
+    try:
+        yield
+    finally:
+        TensorCoreIntrinEmitter.wgmma_ss_atom = emit_atom
 
 
-def install() -> None:
-    _fix_mn_major_b_panel_stride()
+@contextmanager
+def applied():
+    """Every fix, for the duration of the block (re-entrant: an inner block finds the fix applied
+    and applies it around the original again, which it then restores)."""
+    with ExitStack() as stack:
+        stack.enter_context(_mn_major_b_panel_stride())
+        yield

@@ -14,21 +14,26 @@ What differs from upstream's provider_bridge, each a deliberate choice:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from megatron.bridge.models.conversion.auto_bridge import AutoBridge as MegatronAutoBridge
-from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
-from megatron.bridge.models.conversion.param_mapping import AutoMapping
-from megatron.bridge.models.glm_moe_dsa.glm5_bridge import GLM5Bridge as UpstreamGLM5Bridge
-from megatron.bridge.models.mla_provider import MLAModelProvider
 from megatron.core.models.gpt.gpt_model import GPTModel
 from transformers import GlmMoeDsaForCausalLM
 
 from glm5_bridge import compat
+
+with compat.megatron_bridge_without_te():  # compat item 1
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge as MegatronAutoBridge
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.bridge.models.conversion.param_mapping import AutoMapping
+    from megatron.bridge.models.glm_moe_dsa.glm5_bridge import GLM5Bridge as UpstreamGLM5Bridge
+    from megatron.bridge.models.mla_provider import MLAModelProvider
+
 from glm5_bridge.model import config as cfg
 from glm5_bridge.model.attention.backends import BACKENDS
+from glm5_bridge.model.layers import DuplicatedLinear
+from glm5_bridge.model.source import Source, resolve
 from glm5_bridge.model.spec import glm5_block_spec, glm5_mtp_block_spec
+from glm5_bridge.model.validate import validate_checkpoint
 
 
 # The duplicated linear holds the full weight on every TP rank.
@@ -55,8 +60,13 @@ class GLM5ModelProvider(MLAModelProvider):
             self.dsa_indexer_types = ["full"] * self.num_layers
         super().finalize()
 
+    def provide(self, *args, **kwargs):
+        with compat.provider_mtp_spec(self), compat.absorbed_mla_duplicated_linear(DuplicatedLinear):  # items 3, 5
+            return super().provide(*args, **kwargs)
+
     def provide_distributed_model(self, *args, **kwargs):
         if not torch.cuda.is_available():
+            compat.enable_cpu_support()
             compat.init_cpu_process_group()
             kwargs["use_cpu_initialization"] = True
         return super().provide_distributed_model(*args, **kwargs)
@@ -70,7 +80,7 @@ class GLM5ModelProvider(MLAModelProvider):
             compat.cpu_seed(seed)
 
     def build_mtp_block_spec(self, vp_stage=None):
-        """Called instead of megatron-bridge's TE-only MTP spec (see compat.py)."""
+        """Called instead of megatron-bridge's TE-only MTP spec (compat item 3)."""
         return glm5_mtp_block_spec(self, vp_stage=vp_stage)
 
 
@@ -161,11 +171,14 @@ class AutoBridge(MegatronAutoBridge):
 
     @classmethod
     def from_hf_pretrained(cls, path, **kwargs):
-        if str(path) in cfg.PRESETS or (Path(path).is_dir() and not any(Path(path).glob("*.safetensors"))):
-            bridge = cls.from_hf_config(cfg.load_hf_config(path))
-            bridge.config_only_source = str(path)
+        source = path if isinstance(path, Source) else resolve(path)
+        if not source.has_weights:
+            from transformers import GlmMoeDsaConfig
+
+            bridge = cls.from_hf_config(GlmMoeDsaConfig(**source.config))
+            bridge.config_only_source = source.name
             return bridge
-        return super().from_hf_pretrained(path, **kwargs)
+        return super().from_hf_pretrained(str(source.folder), **kwargs)
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path=None):
         source = getattr(self, "config_only_source", None)
@@ -181,11 +194,10 @@ def build_megatron_model(path, load_weights: bool = True, **provider_overrides):
     `dsa_attention_backend="tilelang"`, `tensor_model_parallel_size=2`). A checkpoint folder is
     checked first (validate.py: config.json and safetensors headers against each other), so a bad
     one fails with one line naming the file and tensor instead of deep in the weight loading."""
-    if str(path) not in cfg.PRESETS:
-        from glm5_bridge.model.validate import validate_checkpoint
-
-        validate_checkpoint(path, weights=load_weights)
-    bridge = AutoBridge.from_hf_pretrained(str(path))
+    source = resolve(path)
+    if source.folder is not None:
+        validate_checkpoint(source, weights=load_weights)
+    bridge = AutoBridge.from_hf_pretrained(source)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
     for key, value in provider_overrides.items():
         if not hasattr(provider, key):

@@ -1,42 +1,26 @@
-"""HF config normalisation for the GLM-5 family: presets, defaults and the IndexShare schedule."""
+"""HF config normalisation for the GLM-5 family: defaults and the IndexShare schedule (where a
+config comes from, a preset or a folder: source.py)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-PRESETS_DIR = Path(__file__).parent / "presets"
-PRESETS = ("GLM-5", "GLM-5.1", "GLM-5.2")
+from glm5_bridge.model.source import PRESETS, load_preset_dict, resolve
+
+__all__ = ["PRESETS", "load_preset_dict", "load_hf_config", "indexer_types", "topk_source_layers", "check_stage_starts",
+           "rope_interleave", "indexer_rope_interleave", "rope_theta", "num_mtp_layers"]
 
 # transformers' GlmMoeDsaConfig default when a config has neither `indexer_types` nor
 # `index_topk_pattern` nor `index_skip_topk_offset` (megatron-bridge 0.6.2 uses 0 instead).
 DEFAULT_SKIP_TOPK_OFFSET = 2
 
 
-def load_preset_dict(name: str) -> dict:
-    """The shipped copy of a real config.json ("GLM-5", "GLM-5.1", "GLM-5.2")."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}")
-    return json.loads((PRESETS_DIR / f"{name}.json").read_text())
-
-
 def load_hf_config(path_or_preset: str | Path):
     """A `GlmMoeDsaConfig` from a checkpoint folder, a config.json path or a preset name."""
     from transformers import GlmMoeDsaConfig
 
-    if str(path_or_preset) in PRESETS:
-        return GlmMoeDsaConfig(**load_preset_dict(str(path_or_preset)))
-    from glm5_bridge.model.validate import read_config
-
-    path = Path(path_or_preset)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint folder (and not a preset: {', '.join(PRESETS)})")
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (and {str(path_or_preset)!r} is not a preset)")
-    return GlmMoeDsaConfig(**read_config(path))  # read_config: one-line errors for a non-GLM-5 config
+    return GlmMoeDsaConfig(**resolve(path_or_preset).config)
 
 
 def _get(hf_config: Any, key: str, default=None):

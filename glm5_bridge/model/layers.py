@@ -42,6 +42,15 @@ class DuplicatedLinear(torch.nn.Module):
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Replicated over TP (every rank holds the whole weight): what megatron assumes of a plain
+        module, spelled out because a LoRA wrapper asks its base module for this method by name."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {},
+                                                   sharded_offsets, dp_cp_group=metadata["dp_cp_group"])
+
     def forward(self, x: torch.Tensor):
         if self.skip_bias_add:
             return torch.nn.functional.linear(x, self.weight), self.bias

@@ -22,9 +22,11 @@ import math
 import os
 from pathlib import Path
 
-MODEL_TYPE = "glm_moe_dsa"
-ARCHITECTURE = "GlmMoeDsaForCausalLM"
-INDEX_NAME = "model.safetensors.index.json"
+from glm5_bridge.hf import unfuse
+from glm5_bridge.model.source import INDEX_NAME, CheckpointError, Source, hf_kwargs, resolve
+
+__all__ = ["CheckpointError", "validate_checkpoint", "expected_tensors", "read_header", "checkpoint_tensors"]
+
 
 # safetensors dtype → bytes per element
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
@@ -37,43 +39,8 @@ ALSO_ACCEPTED_DTYPES = ("F32", "BF16")
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match what its config.json implies (one line)."""
-
-
 def _shape(shape) -> str:
     return "(" + ", ".join(str(int(n)) for n in shape) + ("," if len(shape) == 1 else "") + ")"
-
-
-def read_config(path: str | os.PathLike) -> dict:
-    """config.json of a checkpoint folder (or the file itself), checked to be a GLM-5.x config."""
-    path = Path(path)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: not found (an HF checkpoint folder holds config.json and *.safetensors)")
-    try:
-        config = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({getattr(e, 'msg', e)})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got {type(config).__name__}")
-    model_type, archs = config.get("model_type"), config.get("architectures")
-    if model_type != MODEL_TYPE:
-        raise CheckpointError(f"{file}: model_type is {model_type!r}, expected {MODEL_TYPE!r} (GLM-5 / 5.1 / 5.2)")
-    if archs is not None and ARCHITECTURE not in archs:
-        raise CheckpointError(f"{file}: architectures is {archs}, expected [{ARCHITECTURE!r}]")
-    try:  # what transformers (and so megatron-bridge) will make of it
-        from transformers import GlmMoeDsaConfig
-
-        GlmMoeDsaConfig(**_hf_kwargs(config))
-    except Exception as e:
-        detail = " ".join(str(getattr(e, "__cause__", None) or e).split())
-        raise CheckpointError(f"{file}: transformers rejects this config ({detail})") from None
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
-        raise NotImplementedError(f"{file}: quantized checkpoints ({method}) are not supported; use the bf16 release "
-                                  "(megatron-bridge's GLM-5 mapping has no dequantization)")
-    return config
 
 
 def expected_tensors(config: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
@@ -82,13 +49,13 @@ def expected_tensors(config: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
 
-    config = _hf_kwargs(config)
+    config = hf_kwargs(config)
     hf = GlmMoeDsaConfig(**config)
     required: dict[str, tuple] = {}
     with torch.device("meta"):
         model = GlmMoeDsaForCausalLM(hf)
     for name, t in model.state_dict().items():
-        _add_unfused(required, name, tuple(t.shape))
+        required.update(unfuse(name, tuple(t.shape)))
     if getattr(hf, "tie_word_embeddings", False):
         required.pop("lm_head.weight", None)
 
@@ -104,7 +71,7 @@ def expected_tensors(config: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
         with torch.device("meta"):
             block = GlmMoeDsaDecoderLayer(GlmMoeDsaConfig(**layer_cfg), layer)
         for name, t in block.state_dict().items():
-            _add_unfused(required, f"model.layers.{layer}.{name}", tuple(t.shape))
+            required.update(unfuse(f"model.layers.{layer}.{name}", tuple(t.shape)))
         for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
             required[f"model.layers.{layer}.{name}"] = (h,)
         required[f"model.layers.{layer}.eh_proj.weight"] = (h, 2 * h)
@@ -112,25 +79,6 @@ def expected_tensors(config: dict) -> tuple[dict[str, tuple], dict[str, tuple]]:
         optional[f"model.layers.{layer}.embed_tokens.weight"] = (hf.vocab_size, h)
         optional[f"model.layers.{layer}.shared_head.head.weight"] = (hf.vocab_size, h)
     return required, optional
-
-
-def _hf_kwargs(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in ("architectures", "model_type", "transformers_version")}
-
-
-def _add_unfused(out: dict, name: str, shape: tuple) -> None:
-    """transformers fuses the routed experts in memory; checkpoints keep them one by one."""
-    if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H]
-        prefix, (e, two_i, h) = name[: -len("gate_up_proj")], shape
-        for j in range(e):
-            out[f"{prefix}{j}.gate_proj.weight"] = (two_i // 2, h)
-            out[f"{prefix}{j}.up_proj.weight"] = (two_i // 2, h)
-    elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
-        prefix, (e, h, i) = name[: -len("down_proj")], shape
-        for j in range(e):
-            out[f"{prefix}{j}.down_proj.weight"] = (h, i)
-    else:
-        out[name] = shape
 
 
 def read_header(file: str | os.PathLike) -> dict[str, tuple[str, tuple]]:
@@ -204,34 +152,27 @@ def checkpoint_tensors(folder: str | os.PathLike) -> dict[str, tuple[Path, str, 
     return out
 
 
-def validate_checkpoint(path: str | os.PathLike, weights: bool = True) -> dict:
+def validate_checkpoint(path: str | os.PathLike | Source, weights: bool = True) -> dict:
     """Check an HF GLM-5.x checkpoint folder against its config.json; return the config dict.
     With `weights`, a folder that has safetensors files must hold exactly the tensors the config
     implies, with the implied shapes and acceptable dtypes; a folder with none is config-only (the
     caller decides whether that is enough)."""
-    from glm5_bridge.model.config import PRESETS, load_preset_dict
-
-    if str(path) in PRESETS:
+    source = path if isinstance(path, Source) else resolve(path)
+    if source.folder is None:
         if weights:
-            raise CheckpointError(f"{str(path)!r} is a preset (a config.json, no weights); give the folder of a "
+            raise CheckpointError(f"{source.name!r} is a preset (a config.json, no weights); give the folder of a "
                                   "downloaded checkpoint")
-        return load_preset_dict(str(path))
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such checkpoint folder (and not a preset: {', '.join(PRESETS)})")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a folder (an HF checkpoint is a folder with config.json and *.safetensors)")
-    config = read_config(path)
+        return source.config
     if not weights:
-        return config
-    if not (path / INDEX_NAME).is_file() and not any(path.glob("*.safetensors")):
-        pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        return source.config
+    if not source.has_weights:
+        pickled = sorted(p.name for p in source.folder.glob("*.bin")) + sorted(p.name for p in source.folder.glob("*.pt"))
         if pickled:
-            raise CheckpointError(f"{path}: has {pickled[0]} but no *.safetensors; only safetensors weights are read "
-                                  "(pickle files can run code on load)")
-        return config
-    _compare(path, config, checkpoint_tensors(path))
-    return config
+            raise CheckpointError(f"{source.folder}: has {pickled[0]} but no *.safetensors; only safetensors weights "
+                                  "are read (pickle files can run code on load)")
+        return source.config
+    _compare(source.folder, source.config, checkpoint_tensors(source.folder))
+    return source.config
 
 
 def _compare(folder: Path, config: dict, found: dict[str, tuple[Path, str, tuple]]) -> None:

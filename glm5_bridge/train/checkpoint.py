@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from glm5_bridge.convert import atomic_output_dir, atomic_write_text, remove_abandoned, torch_load_error  # noqa: F401
+from glm5_bridge.files import atomic_output_dir, atomic_write_text, remove_abandoned, torch_load_error  # noqa: F401
 
 
 def save(folder: Path, step: int, params: dict, optimizer, scheduler, history: list[dict]) -> Path:

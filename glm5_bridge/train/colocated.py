@@ -19,34 +19,20 @@ from pathlib import Path
 
 import torch
 
-from glm5_bridge.convert import atomic_write_text
+from glm5_bridge.files import atomic_write_text
 from glm5_bridge.train.data import arithmetic_problems
+from glm5_bridge.hf import fuse
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk
 from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
 
 
-def fuse_experts(weights: dict[str, torch.Tensor], hf_model) -> dict[str, torch.Tensor]:
-    """Checkpoint names (experts one by one) → transformers' in-memory layout (experts stacked:
-    gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
-    out = dict(weights)
-    for name, param in hf_model.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name[: -len("gate_up_proj")]
-            out[name] = torch.stack([torch.cat([out.pop(f"{prefix}{e}.gate_proj.weight"),
-                                                out.pop(f"{prefix}{e}.up_proj.weight")]) for e in range(param.shape[0])])
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            out[name] = torch.stack([out.pop(f"{prefix}{e}.down_proj.weight") for e in range(param.shape[0])])
-    return out
-
-
 def sync_weights(bridge, model, hf_model) -> None:
     """Megatron policy (LoRA merged) → the transformers rollout model, in memory."""
     weights = {k: v.clone() for k, v in bridge.export_hf_weights([model], cpu=True, show_progress=False,
                                                                  merge_adapter_weights=True)}
-    missing, _ = hf_model.load_state_dict(fuse_experts(weights, hf_model), strict=False)
+    missing, _ = hf_model.load_state_dict(fuse(weights, hf_model), strict=False)
     if missing:
         raise RuntimeError(f"weight sync left {len(missing)} rollout parameters unset, e.g. {missing[0]}")
 
@@ -146,7 +132,7 @@ def colocated_rl(recipe: Recipe) -> dict:
     replays the captured top-k when `recipe.rl.replay`. Returns the per-step metrics."""
     from transformers import AutoTokenizer
 
-    from glm5_bridge.testing import load_hf
+    from glm5_bridge.hf import load_hf
 
     out = Path(recipe.train.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,10 @@ from glm5_bridge.train.recipe import Recipe
 
 def build_policy(recipe: Recipe, **extra_overrides):
     """(bridge, model chunk with LoRA applied, trainable params) for the recipe's checkpoint."""
+    from glm5_bridge.compat import enable_cpu_support
     from glm5_bridge.model.bridge import build_megatron_model
+
+    enable_cpu_support()  # the CPU / no-TE workarounds where they apply (compat.py)
     from glm5_bridge.train.lora import GLM5LoRA, apply_lora, lora_parameters, lora_targets
 
     m, lo = recipe.model, recipe.lora

@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from glm5_bridge.convert import remove_abandoned
+from glm5_bridge.files import remove_abandoned
+from glm5_bridge.model.source import INDEX_NAME
 from glm5_bridge.train.lora import lora_parameters
 
-INDEX_NAME = "model.safetensors.index.json"
 
 ADAPTER_MLP_UNSUPPORTED = (
     "export_adapter: the model has LoRA on MLP projections ({example}, …). PEFT 0.21 with transformers "

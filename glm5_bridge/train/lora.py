@@ -15,7 +15,8 @@ Three things differ from upstream's `LoRA`, each because of how GLM-5's attentio
    gathers the LoRA *weights* (autograd-aware: all-gather forward, reduce-scatter backward) and
    applies them to the local tokens.
 2. kv_b_proj (linear_kv_up_proj) is never called as a layer in absorbed MLA: its weight is split
-   into W_UK / W_UV and folded into q and into the attention output. `effective_weight` gives
+   into W_UK / W_UV and folded into q and into the attention output. `effective_weight`
+   (model/lora_fold.py, since the model's attention calls it) gives
    base + (alpha/r)·B·A as a differentiable tensor so both A and B train; at TP > 1 it gathers the
    sharded A with an autograd-aware gather (upstream's `LoRALinear.weight` uses a plain
    `dist.all_gather` there, so A silently gets no gradient). attention/mla.py calls it, and our
@@ -31,13 +32,16 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from megatron.bridge.peft.lora import LoRA
-from megatron.bridge.peft.lora_layers import LoRALinear
-from megatron.bridge.peft.utils import ParallelLinearAdapter, wildcard_match
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.utils import get_pg_size
 
+from glm5_bridge import compat
 from glm5_bridge.model.layers import DuplicatedLinear
+
+with compat.megatron_bridge_without_te():  # compat item 1
+    from megatron.bridge.peft.lora import LoRA
+    from megatron.bridge.peft.lora_layers import LoRALinear
+    from megatron.bridge.peft.utils import ParallelLinearAdapter, wildcard_match
+
+from glm5_bridge.model.lora_fold import effective_weight, gather_rows
 
 logger = logging.getLogger(__name__)
 
@@ -85,45 +89,6 @@ def lora_targets(mla: bool = True, dense_mlp: bool = False, shared_experts: bool
     return [t for on, targets in groups if on for t in targets]
 
 
-def _gather_rows(weight: torch.Tensor, group) -> torch.Tensor:
-    """Concatenate the TP shards of a weight along dim 0; backward sums the grads of every rank
-    and hands each rank its own rows (all-gather / reduce-scatter). Identity at TP = 1."""
-    if group is None or get_pg_size(group) == 1:
-        return weight
-    return gather_from_sequence_parallel_region(weight, tensor_parallel_output_grad=True, group=group)
-
-
-def lora_delta(adapter: ParallelLinearAdapter, base_shape: torch.Size) -> torch.Tensor:
-    """(alpha/r)·B·A for the local base shard of shape `base_shape`, differentiable w.r.t. A and B.
-
-    A (linear_in) is gathered when it is split along the rank (column-parallel and duplicated
-    bases); B (linear_out) when its rows are fewer than the base's (row-parallel and duplicated
-    bases). Column-parallel bases keep their B shard, whose rows are exactly the base shard's.
-    """
-    a, b = adapter.linear_in.weight, adapter.linear_out.weight
-    group = getattr(adapter, "tp_group", None)
-    if a.shape[0] != adapter.dim:
-        a = _gather_rows(a, group)
-    if b.shape[0] != base_shape[0]:
-        b = _gather_rows(b, group)
-    delta = (adapter.alpha / adapter.dim) * (b @ a)
-    if delta.shape != base_shape:
-        raise RuntimeError(f"LoRA delta {tuple(delta.shape)} does not fit its base weight {tuple(base_shape)}")
-    return delta
-
-
-def effective_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The weight a linear applies: its own, or base + LoRA delta (differentiable) when it is a
-    `LoRALinear` with its adapter enabled. For layers used through their weight, not their forward
-    (absorbed MLA's kv_b_proj)."""
-    if not isinstance(module, LoRALinear):
-        return module.weight
-    base = module.to_wrap.weight
-    if not module._adapter_enabled:
-        return base
-    return base + lora_delta(module.adapter, base.shape).to(base.dtype)
-
-
 class GLM5LoRALinear(LoRALinear):
     """upstream `LoRALinear` whose `weight` (base + LoRA delta) is differentiable w.r.t. A and B at
     any TP size and also right for duplicated bases (upstream's merge detaches A at TP > 1 and
@@ -152,8 +117,8 @@ class DuplicatedLinearAdapter(ParallelLinearAdapter):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.dropout_position == "pre":
             x = self.dropout(x)
-        a = _gather_rows(self.linear_in.weight, self.tp_group)
-        b = _gather_rows(self.linear_out.weight, self.tp_group)
+        a = gather_rows(self.linear_in.weight, self.tp_group)
+        b = gather_rows(self.linear_out.weight, self.tp_group)
         x = torch.nn.functional.linear(self.activation(torch.nn.functional.linear(x, a)), b)
         if self.dropout_position == "post":
             x = self.dropout(x)

@@ -2,10 +2,15 @@
 unknown key or a wrong type is an error that names the key (a typo never silently does nothing).
 
     recipe = load_recipe("recipes/glm52_lora_sft.yaml", ["train.steps=20", "lora.dim=8"])
+
+A recipe may name a base recipe with a top-level `base:` key (a path relative to the recipe file,
+e.g. `base: base/lora_sft.yaml`): the base is loaded first and the recipe's own values are merged
+on top, then the overrides. A base may name a base of its own; a cycle is an error.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,8 +105,9 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         if path is not None:
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{path}: recipe file not found")
-            where = f"{path}: "
-            merged = OmegaConf.merge(schema, _load_yaml(path, schema))
+            for layer, values in _with_bases(path, schema):  # base first, the recipe itself last
+                where = f"{layer}: "
+                merged = OmegaConf.merge(merged, values)
         for item in overrides or []:  # one at a time, so an error names the override it came from
             where = f"override {item}: "
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
@@ -114,6 +120,29 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     if recipe.export.kind not in ("merged", "adapter", "none"):
         raise ValueError(f"export.kind must be merged, adapter or none, got {recipe.export.kind!r}")
     return recipe
+
+
+def _with_bases(path, schema) -> list:
+    """[(file, its mapping without `base:`)] for the recipe at `path` and the bases it names, the
+    outermost base first. A base that is missing, not a string or closes a cycle is one line naming
+    the file that names it."""
+    layers, chain = [], [Path(path)]
+    while True:
+        loaded = _load_yaml(path, schema)
+        base = loaded.pop("base", None)
+        layers.append((path, loaded))
+        if base is None:
+            return layers[::-1]
+        if not isinstance(base, str) or not base:
+            raise ValueError(f"{path}: base must be the path of a recipe file, got {base!r} (key: base)")
+        base_path = Path(os.path.normpath(Path(path).parent / base))
+        if not base_path.is_file():
+            raise ValueError(f"{path}: base recipe {base_path} not found (key: base)")
+        if any(base_path.resolve() == seen.resolve() for seen in chain):
+            cycle = " → ".join(str(p) for p in [*chain, base_path])
+            raise ValueError(f"{path}: base recipes form a cycle ({cycle}) (key: base)")
+        chain.append(base_path)
+        path = base_path
 
 
 def _load_yaml(path, schema):

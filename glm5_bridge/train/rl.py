@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.convert import atomic_write_text
+from glm5_bridge.files import atomic_write_text
 from glm5_bridge.train.data import greedy_groups, pack, read_jsonl
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts
 from glm5_bridge.model.replay import IndexerReplay

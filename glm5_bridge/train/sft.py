@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.convert import atomic_write_text
+from glm5_bridge.files import atomic_write_text
 from glm5_bridge.train.data import packed_batches, read_jsonl, tokenize_chat
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.common import build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs

@@ -12,7 +12,11 @@ import statistics
 
 import torch
 
-import glm5_bridge  # noqa: F401
+import glm5_bridge
+
+glm5_bridge.register()
+
+glm5_bridge.enable_cpu_support()
 from benchmarks.timing import times_ms
 from glm5_bridge.model.attention.backends import get_backend
 from glm5_bridge.kernels import D_QK, D_V

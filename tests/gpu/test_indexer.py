@@ -12,7 +12,8 @@ than T (key windows that start mid-block).
 import pytest
 import torch
 
-from glm5_bridge.model.attention.topk import flat_starts_thd, index_scores
+from glm5_bridge.kernels.reference import index_scores
+from glm5_bridge.model.attention.topk import flat_starts_thd
 from glm5_bridge.model.attention.topk import select_topk as torch_select_topk
 from glm5_bridge.kernels import indexer
 
@@ -73,9 +74,11 @@ def test_block_scores_match_torch(heads):
 
 
 def test_indexer_fp32_inputs_take_the_torch_path():
+    from glm5_bridge.model.attention.backends import topk_selector
+
     q, k, w, starts = inputs([40, 30], 16, 128)
     q, k = q.float(), k.float()
-    assert torch.equal(indexer.select_topk(q, k, w, starts, 16), torch_select_topk(q, k, w, starts, 16))
+    assert torch.equal(topk_selector("tilelang")(q, k, w, starts, 16), torch_select_topk(q, k, w, starts, 16))
 
 
 def test_indexer_one_build_for_all_lengths():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from glm5_bridge.kernels import slot_order
-from glm5_bridge.kernels.sparse_mla import kernel_topk
+from glm5_bridge.kernels.ops import kernel_topk
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -15,7 +15,7 @@ import torch
 from glm5_bridge.kernels import sparse_mla_bwd as B
 from glm5_bridge.kernels import sparse_mla_fwd as F
 from glm5_bridge.kernels.reference import random_causal_topk
-from glm5_bridge.kernels.sparse_mla import kernel_indices
+from glm5_bridge.kernels.ops import kernel_indices
 from glm5_bridge.testing import rel_error as rel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -14,7 +14,7 @@ upcast, grads through autograd). Error = ‖fused − ref‖ / ‖ref‖. Run wi
       for an exact bf16 attention), and only layer 0 computes top-k (IndexShare offset 1; its
       indexer reads the embeddings, so every layer sees the same top-k in both runs — still 8 of up
       to 150 keys).
-      The fp32 model feeds the kernels float16 (kernels/sparse_mla.kernel_dtype): exact attention
+      The fp32 model feeds the kernels float16 (kernels/ops.kernel_dtype): exact attention
       with its inputs and output rounded to bfloat16 already moves this model's logprobs by
       ~7e-3 max, rounded to float16 by ~1.3e-3 (float16_attention / bf16_attention, measured in
       the test). Bound: the issue's 2e-3 max |diff| (fused vs unfused), and within 1.5× the float16

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from glm5_bridge.kernels import tilelang_compat
-from glm5_bridge.kernels.sparse_mla_fwd import _pass_configs, _tl
+from glm5_bridge.kernels._tilelang import compile_kernel, tl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def sliced_pv_kernel(factor: float):
-    tilelang, T = _tl()
+    tilelang, T = tl()
     bf16, f32 = T.bfloat16, T.float32
 
     @T.prim_func
@@ -35,7 +35,7 @@ def sliced_pv_kernel(factor: float):
                 acc[i, j] = acc[i, j] * factor
             T.copy(acc, O)
 
-    return tilelang.compile(main, out_idx=[-1], pass_configs=_pass_configs(tilelang))
+    return compile_kernel(main, out_idx=[-1])
 
 
 def sliced_pv_error(fixed: bool, factor: float) -> float:
@@ -61,3 +61,14 @@ def test_panel_stride_fix_still_needed():
 
 def test_panel_stride_fix_gives_the_right_product():
     assert sliced_pv_error(fixed=True, factor=1.0) < 1e-5
+
+
+def test_fixes_apply_only_while_our_kernels_compile():
+    from tilelang.cuda.intrinsics.macro.wgmma_macro_generator import TensorCoreIntrinEmitter
+
+    original = TensorCoreIntrinEmitter.wgmma_ss_atom
+    with tilelang_compat.applied():
+        assert TensorCoreIntrinEmitter.wgmma_ss_atom is not original
+    assert TensorCoreIntrinEmitter.wgmma_ss_atom is original
+    sliced_pv_error(fixed=True, factor=3.0)  # a build through compile_kernel leaves TileLang as it was
+    assert TensorCoreIntrinEmitter.wgmma_ss_atom is original

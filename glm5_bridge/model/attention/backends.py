@@ -21,6 +21,8 @@ runs, so no backend ever sees one.
 
 from __future__ import annotations
 
+from glm5_bridge.model.attention.topk import select_topk
+
 BACKENDS = ("megatron", "tilelang")
 
 
@@ -41,14 +43,20 @@ def tilelang_sparse_mla(q, kv, topk, softmax_scale, v_dim, *, packed):
     return sparse_mla(q, kv, topk, softmax_scale, v_dim)
 
 
+def fused_select_topk(q, k, weights, starts, topk, rows=None):
+    """Our TileLang indexer kernel for bf16 CUDA inputs, the torch selection for the rest (fp32
+    inputs keep it: a kernel rounding them to bf16 could reorder near-tied keys)."""
+    from glm5_bridge.kernels import indexer
+
+    if indexer.accepts(q, k):
+        return indexer.select_topk(q, k, weights, starts, topk, rows)
+    return select_topk(q, k, weights, starts, topk, rows)
+
+
 def topk_selector(name: str):
     """The lightning-indexer top-k a backend runs; every one has attention/topk.select_topk's
     contract. "tilelang" scores bf16 queries with our TileLang kernel (kernels/indexer.py)."""
-    if name == "tilelang":
-        from glm5_bridge.kernels.indexer import select_topk
-    else:
-        from glm5_bridge.model.attention.topk import select_topk
-    return select_topk
+    return fused_select_topk if name == "tilelang" else select_topk
 
 
 def get_backend(name: str):

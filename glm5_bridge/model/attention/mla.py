@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
 
+from glm5_bridge.model.lora_fold import effective_weight
+
 
 class GLM5AbsorbedMLA(AbsorbedMLASelfAttention):
     def forward(self, hidden_states, attention_mask, *args, inference_context=None, inference_params=None, **kwargs):
@@ -20,7 +22,6 @@ class GLM5AbsorbedMLA(AbsorbedMLASelfAttention):
         is folded in here: base + (alpha/r)·B·A, differentiable w.r.t. A and B, with the TP-sharded A
         gathered autograd-aware (upstream's `LoRALinear.weight` gathers it with a plain all_gather,
         which leaves A without gradient at TP > 1)."""
-        from glm5_bridge.train.lora import effective_weight
 
         heads, qk, v = self.num_attention_heads_per_partition, self.config.qk_head_dim, self.config.v_head_dim
         weight = effective_weight(self.linear_kv_up_proj)

@@ -3,7 +3,7 @@
 
 Megatron splits attention heads across the TP ranks. In absorbed MLA with DSA a token's heads share
 one gathered 576-wide key row per selected key and one fp32 dKV row, so with heads split every rank
-pays those per-key costs in full for 1/TP of the heads (docs/kernels.md, run AU: at 8K a TP 8 rank's
+pays those per-key costs in full for 1/TP of the heads (benchmarks/LOG.md, run AU: at 8K a TP 8 rank's
 sparse path took 8.6 ms where dense attention at its 8 heads took 2.3). Here each rank instead
 attends all heads of 1/TP of the query tokens (runs AV–BA, every rank emulated on one H100: a TP 8
 rank's attention fwd + bwd 3.8 / 7.5 ms at 8K / 16K against 6.8 / 20.2 with heads split, before the
@@ -33,7 +33,7 @@ from glm5_bridge.model.attention.topk import row_bounds
 def _transpose01(x: torch.Tensor) -> torch.Tensor:
     """x [A, B, ...] → contiguous [B, A, ...]. The copy is strided, so torch runs it element by
     element: bf16 rows go as 8-byte words where their width allows (half the time of 2-byte
-    elements at TP 8 × 8K, docs/kernels.md run AY)."""
+    elements at TP 8 × 8K, benchmarks/LOG.md run AY)."""
     if x.shape[-1] * x.element_size() % 8 == 0 and x.stride(-1) == 1 and x.element_size() < 8:
         return x.view(torch.int64).transpose(0, 1).contiguous().view(x.dtype)
     return x.transpose(0, 1).contiguous()

@@ -13,6 +13,11 @@ import itertools
 
 import torch
 
+from glm5_bridge.kernels.reference import index_scores
+
+__all__ = ["index_scores", "select_topk", "select_topk_split", "check_topk", "row_bounds", "rank_chunks",
+           "sequence_lengths", "flat_starts", "flat_starts_bshd", "flat_starts_thd"]
+
 # Rows of queries scored at once: bounds the [rows, T] fp32 score block to rows·T·4 bytes.
 SCORE_ROW_CHUNK = 2048
 
@@ -40,15 +45,6 @@ def flat_starts_bshd(seq_len: int, batch: int, device) -> torch.Tensor:
 def flat_starts_thd(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """starts[t] for packed sequences with boundaries `cu_seqlens` ([n+1], last = total)."""
     return flat_starts(sequence_lengths(cu_seqlens, total), cu_seqlens.device)
-
-
-def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """scores[t, s] = Σ_h weights[t, h] · relu(q[t, h] · k[s]) in fp32.
-
-    q: [rows, H, D], k: [T, D], weights: [rows, H] (already scaled by H^-0.5 · D^-0.5).
-    """
-    logits = torch.einsum("rhd,sd->rhs", q.float(), k.float()).relu_()
-    return torch.einsum("rhs,rh->rs", logits, weights.float())
 
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,

@@ -1,0 +1,45 @@
+"""Convert an HF GLM-5 / 5.1 / 5.2 checkpoint into a Megatron distributed checkpoint.
+
+Usage:
+    python conversion/hf_to_megatron.py HF_DIR OUT_DIR [--tp N] [--overwrite]
+
+--tp N > 1 needs N processes: `torchrun --nproc-per-node N conversion/hf_to_megatron.py ... --tp N`.
+CLI equivalent: `glm5-bridge convert HF_DIR OUT_DIR`. Library: `glm5_bridge.convert.hf_to_megatron`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import glm5_bridge
+from glm5_bridge.cli import USER_ERRORS, quiet_upstream_notices
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="HF GLM-5.x checkpoint → Megatron distributed checkpoint "
+                                                 "(weights/, hf/, glm5_bridge.json). OUT_DIR appears only once "
+                                                 "complete; the source is only read.")
+    parser.add_argument("hf_path", help="HF checkpoint folder (config.json + *.safetensors)")
+    parser.add_argument("out_dir", help="Megatron checkpoint folder to write (must not exist unless --overwrite)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron side (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    args = parser.parse_args(argv)
+
+    quiet_upstream_notices()
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
+    from glm5_bridge.convert import hf_to_megatron
+
+    overrides = {"tensor_model_parallel_size": args.tp, "sequence_parallel": True} if args.tp > 1 else {}
+    try:
+        out = hf_to_megatron(args.hf_path, args.out_dir, overwrite=args.overwrite, **overrides)
+    except USER_ERRORS as e:
+        print(f"{parser.prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(f"Megatron distributed checkpoint written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Convert a Megatron distributed checkpoint written by hf_to_megatron.py back into an HF checkpoint.
+
+Usage:
+    python conversion/megatron_to_hf.py MEGATRON_DIR OUT_DIR [--overwrite]
+
+CLI equivalent: `glm5-bridge convert MEGATRON_DIR OUT_DIR`. Library: `glm5_bridge.convert.megatron_to_hf`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import glm5_bridge
+from glm5_bridge.cli import USER_ERRORS, quiet_upstream_notices
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Megatron distributed checkpoint (written by hf_to_megatron.py "
+                                                 "or `glm5-bridge convert`) → HF checkpoint (config, tokenizer, "
+                                                 "safetensors). OUT_DIR appears only once complete.")
+    parser.add_argument("megatron_dir", help="folder holding weights/, hf/ and glm5_bridge.json")
+    parser.add_argument("out_dir", help="HF checkpoint folder to write (must not exist unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    args = parser.parse_args(argv)
+
+    quiet_upstream_notices()
+    glm5_bridge.register()
+    glm5_bridge.enable_cpu_support()
+    from glm5_bridge.convert import megatron_to_hf
+
+    try:
+        out = megatron_to_hf(args.megatron_dir, args.out_dir, overwrite=args.overwrite)
+    except USER_ERRORS as e:
+        print(f"{parser.prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(f"HF checkpoint written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
