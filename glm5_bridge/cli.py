@@ -51,11 +51,14 @@ def _train(args):
 
 
 def _run_recipe(recipe, out: Path):
+    import os
+
     from glm5_bridge.files import atomic_write_text
     from glm5_bridge.train.recipe import to_yaml
 
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "recipe.yaml", to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's other ranks leave the run folder to rank 0
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "recipe.yaml", to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
     if recipe.task == "sft":
         from glm5_bridge.train.sft import train_sft
 
@@ -73,28 +76,28 @@ def _run_recipe(recipe, out: Path):
 
 
 def _export(args):
-    from glm5_bridge.train.export import export_adapter, export_merged
     from glm5_bridge.train import checkpoint
-    from glm5_bridge.train.common import build_policy
+    from glm5_bridge.train.engine import Engine
+    from glm5_bridge.train.export import export_adapter, export_merged
     from glm5_bridge.train.recipe import load_recipe
 
     run = Path(args.run)
     if Path(args.dst).exists() and not args.overwrite:  # before the (long) model build
         raise FileExistsError(f"{args.dst}: already exists (pass --overwrite to replace it)")
     recipe = load_recipe(run / "recipe.yaml")
-    saved = checkpoint.load_latest(run / "checkpoints")
+    saved = checkpoint.latest(run / "checkpoints")
     if saved is None:
         raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
-    bridge, model, params = build_policy(recipe)
-    checkpoint.restore_params(saved[0], params)
+    engine = Engine(recipe)
+    checkpoint.load(saved, engine)
     write = export_adapter if args.adapter else export_merged
     print(f"{'adapter' if args.adapter else 'merged'} export written to "
-          f"{write(bridge, model, args.dst, overwrite=args.overwrite)}")
+          f"{write(engine.bridge, engine.chunk, args.dst, overwrite=args.overwrite)}")
 
 
 def _plan(args):
     from glm5_bridge.model.config import load_hf_config
-    from glm5_bridge.plan import Plan, count_parameters, memory_per_gpu
+    from glm5_bridge.train.plan import GPU_MEMORY_GIB, Plan, count_parameters, memory_per_gpu, verdict
 
     c = load_hf_config(args.model)
     counts = count_parameters(c)
@@ -107,6 +110,11 @@ def _plan(args):
           f"{args.seq_len} tokens, LoRA r={args.lora_dim}:")
     for key in ("weights_bf16", "lora_params_grads_adam", "activations", "total"):
         print(f"  {key:24s} {m[key]:8.2f} GiB")
+    gib = args.gpu_memory_gib or (GPU_MEMORY_GIB[args.gpu] if args.gpu else 0)
+    if gib:
+        fits, line = verdict(c, plan, gib)
+        print(f"{args.gpu or 'GPU'}: {line}")
+        return 0 if fits else 1
 
 
 def _demo(args):
@@ -164,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="parameters and per-GPU memory of a GLM-5.x model for a parallel layout",
                        description="Count parameters from config.json (a preset or a checkpoint folder) and estimate "
                                    "memory on the busiest GPU for LoRA training (bf16 frozen weights, fp32 adapters "
-                                   "with Adam, activations with full recompute; see glm5_bridge/plan.py). Refuses "
+                                   "with Adam, activations with full recompute; see glm5_bridge/train/plan.py). Refuses "
                                    "pipeline splits where a stage would start on an IndexShare 'shared' layer.")
     p.add_argument("model", help='"GLM-5", "GLM-5.1", "GLM-5.2" or a checkpoint folder')
     for flag, default in (("--tp", 8), ("--pp", 1), ("--ep", 8), ("--cp", 1)):
@@ -172,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
     p.add_argument("--lora-dim", type=int, default=64)
     p.add_argument("--stages", help="decoder layers per PP stage, comma separated (default: even split)")
+    p.add_argument("--gpu", choices=["H100", "H200", "A100", "B200"],
+                   help="give a fits / does-not-fit verdict for this GPU (exit status 1 when it does not fit)")
+    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="the same for a GPU of this much memory")
     p.set_defaults(fn=_plan)
 
     p = sub.add_parser("make-tiny", help="write a tiny random GLM-5.x HF checkpoint (for tests and demos)")

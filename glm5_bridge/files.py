@@ -20,8 +20,26 @@ from pathlib import Path
 def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False):
     """Yield a fresh temporary folder beside `target`; on success fsync its files and folders and
     rename it to `target`. On any error the temporary folder is removed and `target` is left as it
-    was. A process killed inside leaves `.{name}.tmp-{pid}` behind: `remove_abandoned` cleans it."""
-    target = Path(target)
+    was. A process killed inside leaves `.{name}.tmp-{pid}` behind: `remove_abandoned` cleans it.
+    Under torch.distributed with several ranks every rank writes into the same temporary folder (a
+    distributed checkpoint): rank 0 makes and names it, and renames it once every rank is done and
+    none failed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with _atomic_output_dir_all_ranks(Path(target), overwrite) as tmp:
+            yield tmp
+        return
+    tmp = _fresh_tmp(Path(target), overwrite)
+    try:
+        yield tmp
+        _commit(tmp, Path(target))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fresh_tmp(target: Path, overwrite: bool) -> Path:
     if target.exists() and not overwrite:
         raise FileExistsError(f"{target}: already exists (pass overwrite=True / --overwrite to replace it)")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -29,24 +47,67 @@ def atomic_output_dir(target: str | os.PathLike, overwrite: bool = False):
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, target: Path) -> None:
+    """fsync everything under `tmp`, then put it in `target`'s place."""
+    for root, dirs, files in os.walk(tmp, topdown=False):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(root)
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(target)
+    fsync_dir(target.parent)
+
+
+@contextmanager
+def _atomic_output_dir_all_ranks(target: Path, overwrite: bool):
+    import torch
+    import torch.distributed as dist
+
+    box = [None, None]  # (temporary folder, error message) from rank 0
+    if dist.get_rank() == 0:
+        try:
+            box[0] = str(_fresh_tmp(target, overwrite))
+        except OSError as e:
+            box[1] = f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    if box[1] is not None:
+        raise (FileExistsError if box[1].startswith("FileExistsError") else OSError)(box[1].split(": ", 1)[1])
+    tmp = Path(box[0])
+    failed = None
     try:
         yield tmp
-        for root, dirs, files in os.walk(tmp, topdown=False):
-            for name in files:
-                with open(os.path.join(root, name), "rb") as f:
-                    os.fsync(f.fileno())
-            fsync_dir(root)
-        if target.exists():
-            old = target.parent / f".{target.name}.old-{os.getpid()}"
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(target)
-        fsync_dir(target.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except BaseException as e:
+        failed = e
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([0 if failed is None else 1], device=device)
+    dist.all_reduce(flag)  # how many ranks failed
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            if flag.item():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                _commit(tmp, target)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{e}"
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if failed is not None:
+        raise failed
+    if flag.item():
+        raise RuntimeError(f"{target}: not written: another rank failed while writing it")
+    if box[0] is not None:
+        raise OSError(box[0])
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

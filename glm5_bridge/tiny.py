@@ -45,12 +45,13 @@ TINY = dict(
 )
 
 
-def tiny_config_dict(variant: str = "GLM-5.2") -> dict:
+def tiny_config_dict(variant: str = "GLM-5.2", **overrides) -> dict:
     """The preset's config.json values with tiny sizes (IndexShare schedule recomputed)."""
     from glm5_bridge.model.config import load_preset_dict
 
     cfg = load_preset_dict(variant)
     cfg.update(TINY)
+    cfg.update(overrides)
     cfg["qk_head_dim"] = TINY["qk_nope_head_dim"] + TINY["qk_rope_head_dim"]
     cfg["head_dim"] = TINY["qk_rope_head_dim"]
     cfg["eos_token_id"] = 1
@@ -102,13 +103,13 @@ def _random_like(name: str, t: torch.Tensor, cfg: dict, generator: torch.Generat
     return std * torch.randn(t.shape, generator=generator)
 
 
-def make_tiny_model(variant: str = "GLM-5.2", seed: int = 0):
+def make_tiny_model(variant: str = "GLM-5.2", seed: int = 0, **overrides):
     """A tiny random `GlmMoeDsaForCausalLM` (fp32) and the extra MTP tensors for its checkpoint."""
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
-    cfg = tiny_config_dict(variant)
+    cfg = tiny_config_dict(variant, **overrides)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg)).float().eval()
@@ -146,12 +147,12 @@ def make_tiny_tokenizer(path: str | os.PathLike):
     return fast
 
 
-def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0) -> Path:
+def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
     """Write a tiny random fp32 HF checkpoint of `variant` (with one MTP layer) to `path`."""
     from safetensors.torch import load_file, save_file
 
     path = Path(path)
-    model, mtp = make_tiny_model(variant, seed)
+    model, mtp = make_tiny_model(variant, seed, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     # Append the MTP layer to the (single) shard and keep the real config's MTP fields.
     shard = path / "model.safetensors"
@@ -161,8 +162,8 @@ def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0) -
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
     for key in ("rope_interleave", "indexer_rope_interleave", "index_topk_freq", "index_skip_topk_offset"):
-        if key in tiny_config_dict(variant):
-            cfg[key] = tiny_config_dict(variant)[key]
+        if key in tiny_config_dict(variant, **overrides):
+            cfg[key] = tiny_config_dict(variant, **overrides)[key]
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     make_tiny_tokenizer(path)
     return path

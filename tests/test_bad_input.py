@@ -313,8 +313,8 @@ def recipe_typo_override(ctx):
 def recipe_typo_in_file(ctx):
     recipe = ctx.tmp / "typo.yaml"
     recipe.write_text(f"model:\n  checkpoint: {ctx.good}\ntrain:\n  save_evry: 2\n  output_dir: {ctx.tmp / 'run'}\n")
-    return Case(["train", str(recipe)], f"{recipe}: Key 'save_evry' not in 'TrainConfig'. Did you mean: "
-                "'save_every'? (key: train.save_evry)", [ctx.tmp / "run"])
+    return Case(["train", str(recipe)], f"{recipe}: Key 'save_evry' not in 'TrainConfig'. Did you mean one of: "
+                "'save_every', 'eval_every'? (key: train.save_evry)", [ctx.tmp / "run"])
 
 
 def recipe_wrong_type(ctx):
@@ -440,20 +440,19 @@ def export_disk_full(ctx):
 
 def checkpoint_save_disk_full(ctx):
     """A resumed run hits a full disk while saving step 3: step 2 stays the latest checkpoint."""
+    from megatron.core import dist_checkpointing
+
     run = _copy(ctx.fixture("run"), ctx.tmp / "run")
-    real_save = torch.save
 
-    def full(obj, f, *args, **kwargs):
-        if str(f).endswith("state.pt"):
-            with open(f, "wb") as out:
-                out.write(b"\0" * 100)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-        return real_save(obj, f, *args, **kwargs)
+    def full(state, folder, *args, **kwargs):
+        with open(Path(folder) / "__0_0.distcp", "wb") as out:
+            out.write(b"\0" * 100)  # part of the shard made it to disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"{folder}/__0_0.distcp")
 
-    ctx.monkeypatch.setattr(torch, "save", full)
+    ctx.monkeypatch.setattr(dist_checkpointing, "save", full)
     argv = _sft(ctx.good, run, "train.steps=3", "train.save_every=1")
     return Case(argv, f"[Errno 28] No space left on device: '{run}/checkpoints/.step_0000003.tmp-{os.getpid()}/"
-                "state.pt'", [run / "checkpoints" / "step_0000003"], unchanged=[run / "checkpoints"])
+                "__0_0.distcp'", [run / "checkpoints" / "step_0000003"], unchanged=[run / "checkpoints"])
 
 
 def trainer_checkpoint_pickle(ctx):
@@ -464,12 +463,11 @@ def trainer_checkpoint_pickle(ctx):
         def __reduce__(self):
             return os.system, (f"touch {ctx.tmp}/pwned",)
 
-    with open(run / "checkpoints" / "step_0000002" / "state.pt", "wb") as f:
-        pickle.dump({"params": Payload()}, f, protocol=2)
+    with open(run / "checkpoints" / "step_0000002" / ".metadata", "wb") as f:
+        pickle.dump(Payload(), f)
     return Case(["export", str(run), str(ctx.tmp / "merged"), "--merge"],
-                f"{run}/checkpoints/step_0000002/state.pt: not a readable trainer checkpoint (refused by the "
-                "weights-only unpickler: Trying to load unsupported GLOBAL posix.system whose module posix is "
-                "blocked.)", [ctx.tmp / "merged", ctx.tmp / "pwned"])
+                f"{run}/checkpoints/step_0000002/.metadata: refusing to unpickle posix.system (not a "
+                "distributed-checkpoint metadata type)", [ctx.tmp / "merged", ctx.tmp / "pwned"])
 
 
 def megatron_metadata_pickle(ctx):
@@ -614,7 +612,7 @@ def test_our_merged_export_passes(run, tmp_path):
 def test_presets_imply_the_published_parameter_count(preset):
     """The tensors the validator expects for the real configs hold exactly plan.py's parameter count."""
     from glm5_bridge.model.config import load_hf_config, load_preset_dict
-    from glm5_bridge.plan import count_parameters
+    from glm5_bridge.train.plan import count_parameters
 
     required, optional = expected_tensors(load_preset_dict(preset))
     assert sum(math.prod(s) for s in required.values()) == count_parameters(load_hf_config(preset))["total"]
@@ -676,7 +674,8 @@ def test_source_only_read_and_no_arbitrary_unpickling(source, run, megatron_chec
     # Not files we read: torch.compile's caches (dynamo / inductor / functorch) pickle in-memory graphs,
     # object collectives (gather_object, ...) and multiprocessing queues pickle what processes exchange.
     compiler = ("/torch/_dynamo/", "/torch/_inductor/", "/torch/_functorch/",
-                "/torch/distributed/distributed_c10d.py:_tensor_to_object", "/multiprocessing/connection.py:recv")
+                "/torch/distributed/distributed_c10d.py:_tensor_to_object", "/multiprocessing/connection.py:recv",
+                "/multiprocessing/queues.py:get")
     resolved = {g: frames for g, frames in _AUDIT["globals"]
                 if not any(part in frame for frame in frames for part in compiler)}
     assert ("torch.distributed.checkpoint.metadata", "Metadata") in resolved, "metadata read, restricted"

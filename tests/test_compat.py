@@ -102,3 +102,4 @@ def test_10_optimizers_still_check_cuda_type_names():
     with compat.cuda_type_names():
         assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
     assert t.type() == "torch.FloatTensor"
+

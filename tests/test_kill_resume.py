@@ -96,7 +96,13 @@ def _curve(out: Path) -> list[tuple]:
 
 
 def _final_state(out: Path) -> dict:
-    return torch.load(out / "checkpoints" / f"step_{STEPS:07d}" / "state.pt", weights_only=True)
+    """Every tensor of the final distributed checkpoint (adapters, Adam moments, RNG), by name."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    from glm5_bridge.compat import init_cpu_process_group
+
+    init_cpu_process_group()  # a one-process group to read it with
+    return load_plain_tensors(str(out / "checkpoints" / f"step_{STEPS:07d}"))
 
 
 def _equal(a, b) -> bool:
@@ -132,7 +138,7 @@ def test_sigkill_at_random_steps_resumes_bit_identically(tiny_checkpoint, tmp_pa
             pid = run.proc.pid
             half = out / "checkpoints" / f".step_{_latest(out) + SAVE_EVERY:07d}.tmp-{pid}"
             half.mkdir(parents=True, exist_ok=True)
-            (half / "state.pt").write_bytes(b"PK\x03\x04 half a zip")
+            (half / "__0_0.distcp").write_bytes(b"PK\x03\x04 half a zip")
             (out / "checkpoints" / f".latest.tmp-{pid}").write_text("step_00")
             planted = [half, out / "checkpoints" / f".latest.tmp-{pid}"]
 
@@ -156,8 +162,9 @@ def test_sigkill_at_random_steps_resumes_bit_identically(tiny_checkpoint, tmp_pa
                                                                                           "reference.log")]
     assert printed[0] and printed[0] == printed[1], note
     got, want = _final_state(out), _final_state(tmp_path / "reference")
-    assert got["params"] and _equal(got["params"], want["params"]), note
-    assert _equal(got["optimizer"], want["optimizer"]) and got["scheduler"] == want["scheduler"], note
+    adapters = [k for k in got if ".adapter." in k and k.endswith(".weight") and "optimizer" not in k]
+    moments = [k for k in got if "exp_avg" in k]
+    assert adapters and moments and _equal(got, want), note
 
     _checked.record("kill_resume", {"kills": KILLS, "resumes": len(cycles), "steps": STEPS,
                                     "save_every": SAVE_EVERY, "test": "tests/test_kill_resume.py"})

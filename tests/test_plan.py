@@ -6,7 +6,7 @@ import pytest
 from safetensors import safe_open
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.plan import Plan, count_parameters, memory_per_gpu
+from glm5_bridge.train.plan import Plan, count_parameters, memory_per_gpu
 
 
 @pytest.mark.parametrize("variant", ["GLM-5", "GLM-5.2"])

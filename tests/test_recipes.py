@@ -1,5 +1,6 @@
 """Recipes load and validate; LoRA SFT on the tiny model learns, and resumes exactly."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,12 @@ def test_typo_names_the_key(tmp_path):
         load_recipe(RECIPES[0], ["train.steps=many"])
 
 
-# What the GLM-5.x recipes held before they were split into recipes/base/ + two lines per model;
-# they must still load to exactly this (schema defaults for everything not named).
+# What the GLM-5.x recipes hold, written out (recipes/base/ + two lines per model); they must load
+# to exactly this (schema defaults for everything not named).
 _BIG = {"model": {"dsa_attention_backend": "tilelang", "tensor_model_parallel_size": 8,
+                  "pipeline_model_parallel_size": 4, "pipeline_stage_layers": [18, 20, 20, 20],
                   "expert_model_parallel_size": 8, "bf16": True},
-        "lora": {"dim": 64, "alpha": 128}, "export": {"kind": "adapter"}}
+        "lora": {"dim": 64, "alpha": 128}, "export": {"kind": "adapter"}, "train": {"global_batch_size": 8}}
 BEFORE_SPLIT = {
     "sft": OmegaConf.merge(_BIG, {"task": "sft", "data": {"train": "/path/to/chat.jsonl", "max_tokens": 16384},
                                   "train": {"steps": 1000, "lr": 1e-4, "min_lr": 1e-5, "warmup_steps": 50,
@@ -140,3 +142,28 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tiny_checkpoint, tmp_pa
     a = {k: v for k, v in straight["model"].named_parameters() if ".adapter." in k}
     b = {k: v for k, v in resumed["model"].named_parameters() if ".adapter." in k}
     assert all((a[k] == b[k]).all() for k in a)
+
+
+HARDWARE = re.compile(r"^# Hardware: (\d+) × (\w+) ", re.M)
+
+
+@pytest.mark.parametrize("task", ["sft", "rl"])
+@pytest.mark.parametrize("stem", MODELS)
+def test_shipped_recipe_fits_its_named_hardware(stem, task):
+    """The GPUs a GLM-5.x recipe names in its header hold its layout by `plan`'s memory model, and
+    the layout divides them: TP × PP × DP GPUs, the global batch over DP, EP within TP × DP."""
+    from glm5_bridge.model.config import check_stage_starts, indexer_types, load_hf_config
+    from glm5_bridge.train.plan import GPU_MEMORY_GIB, recipe_plan, verdict
+
+    path = RECIPE_DIR / f"{stem}_lora_{task}.yaml"
+    count, gpu = HARDWARE.search(path.read_text()).groups()
+    recipe = load_recipe(path)
+    m, hf = recipe.model, load_hf_config(MODELS[stem])
+    fits, line = verdict(hf, recipe_plan(recipe), GPU_MEMORY_GIB[gpu])
+    assert fits, line
+    dp, rest = divmod(int(count), m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+    assert rest == 0 and dp >= 1 and recipe.train.global_batch_size % dp == 0
+    assert (m.tensor_model_parallel_size * dp) % m.expert_model_parallel_size == 0
+    stages = m.pipeline_stage_layers
+    check_stage_starts(indexer_types(hf), [sum(stages[:i]) for i in range(len(stages))])
+    assert len(set(stages[1:-1])) <= 1  # megatron splits the middle stages evenly

@@ -12,18 +12,14 @@ fp32 noise; with replay off it also contains every selection the two indexers di
 
 from __future__ import annotations
 
-import json
 import re
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-from glm5_bridge.files import atomic_write_text
-from glm5_bridge.train.data import arithmetic_problems
 from glm5_bridge.hf import fuse
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk
-from glm5_bridge.train.common import build_policy, optimizer_and_schedule, plot_curves
+from glm5_bridge.train.data import arithmetic_problems
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
 
@@ -127,39 +123,39 @@ def generate_rollouts(hf_model, tokenizer, problems, capture: IndexerCapture, ma
     return rows
 
 
-def colocated_rl(recipe: Recipe) -> dict:
-    """`recipe.train.steps` rounds of generate → reward → RL step → weight sync. The Megatron step
-    replays the captured top-k when `recipe.rl.replay`. Returns the per-step metrics."""
+def colocated_rl(recipe: Recipe, stop_after: int | None = None) -> dict:
+    """`recipe.train.steps` rounds of weight sync → generate → reward → RL step on the engine, with
+    checkpoints and resume like the other trainers (a step's rollouts depend on its index and the
+    synced weights only, so a resumed run generates what the uninterrupted one would). The Megatron
+    step replays the captured top-k when `recipe.rl.replay`. One data-parallel rank: the rollouts of
+    a step are one micro-batch (TP / PP / EP are fine)."""
     from transformers import AutoTokenizer
 
     from glm5_bridge.hf import load_hf
+    from glm5_bridge.train.engine import Engine, data_parallel_info
+    from glm5_bridge.train.run import run_steps
 
-    out = Path(recipe.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(recipe.train.seed)
-    bridge, model, params = build_policy(recipe)
+    t, rl = recipe.train, recipe.rl
+    engine = Engine(recipe)
+    if data_parallel_info()[1] != 1:
+        raise ValueError("the colocated RL loop runs one data-parallel rank; use TP / PP / EP, or RL on a rollout file")
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
     hf_model = load_hf(recipe.model.checkpoint)
-    rl = recipe.rl
     capture = IndexerCapture(hf_model, getattr(torch, rl.rollout_indexer_dtype))
-    optimizer, scheduler = optimizer_and_schedule(params, recipe)
-    problems = arithmetic_problems(recipe.train.steps * rl.prompts_per_step, seed=recipe.data.seed)
-    generator = torch.Generator().manual_seed(recipe.train.seed)
-    history = []
-    model.train()
-    for step in range(recipe.train.steps):
-        sync_weights(bridge, model, hf_model)
+    problems = arithmetic_problems(t.steps * rl.prompts_per_step, seed=recipe.data.seed)
+    vocab = hf_model.config.vocab_size
+
+    def one_step(step: int) -> dict:
+        sync_weights(engine.bridge, engine.chunk, hf_model)
         chosen = problems[step * rl.prompts_per_step:(step + 1) * rl.prompts_per_step]
+        generator = torch.Generator().manual_seed(t.seed * 1_000_003 + step)
         rows = generate_rollouts(hf_model, tokenizer, [p for p in chosen for _ in range(rl.samples_per_prompt)],
                                  capture, rl.max_new_tokens, generator)
-        rollouts = [Rollout(r, f"step {step + 1} rollout {i}", model.vocab_size, capture.layout)
-                    for i, r in enumerate(rows)]
+        rollouts = [Rollout(r, f"step {step + 1} rollout {i}", vocab, capture.layout) for i, r in enumerate(rows)]
         _fill_advantages(rollouts)
-        batch = rollout_batch(rollouts, model.vocab_size)
-        metrics = rl_step(model, params, optimizer, scheduler, batch, recipe)
-        metrics.update(step=step + 1, reward=sum(float(r.reward) for r in rollouts) / len(rollouts))
-        history.append(metrics)
-        print(json.dumps({k: (round(v, 8) if isinstance(v, float) else v) for k, v in metrics.items()}))
-    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
-    plot_curves(history, ["reward", "logprob_abs_diff_mean", "kl_rollout_train"], out / "rl.png", "colocated LoRA RL")
-    return {"history": history, "model": model, "bridge": bridge}
+        record = rl_step(engine, [engine.fit(rollout_batch(rollouts, vocab))], recipe, step + 1)
+        record["reward"] = sum(float(r.reward) for r in rollouts) / len(rollouts)
+        return record
+
+    return run_steps(recipe, engine, "colocated rl", one_step, ["reward", "logprob_abs_diff_mean", "kl_rollout_train"],
+                     "rl.png", stop_after)

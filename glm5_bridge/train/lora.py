@@ -189,3 +189,28 @@ def lora_parameters(model) -> dict[str, torch.nn.Parameter]:
     """name → parameter for every adapter parameter (what an optimizer should train)."""
     chunks = model if isinstance(model, list) else [model]
     return {name: p for chunk in chunks for name, p in chunk.named_parameters() if ".adapter." in name}
+
+
+def init_adapters_by_name(chunk, seed: int) -> None:
+    """Draw every LoRA A (xavier-uniform over the adapter's whole, unsharded matrix) from a generator
+    seeded by the run's seed and the adapter's global checkpoint name, and zero every B. Each rank
+    then holds its shard of the same adapters at any TP / PP / EP layout — where drawing from one
+    stream in module order would give a pipeline stage other numbers than the same layers get in one
+    process — so layouts train alike. The names and shards are the distributed checkpoint's."""
+    import zlib
+
+    with torch.no_grad():
+        for tensor in chunk.sharded_state_dict().values():
+            key = getattr(tensor, "key", "")
+            if ".adapter." not in key or key.endswith("_extra_state") or not hasattr(tensor, "global_shape"):
+                continue
+            local = tensor.data
+            if ".linear_out." in key:
+                local.zero_()
+                continue
+            pre = tensor.prepend_axis_num  # leading axes that index a stack (experts), not the matrix
+            tag = f"{seed}:{key}:{tuple(tensor.global_offset[:pre])}".encode()
+            full = torch.empty(tensor.global_shape[pre:], dtype=torch.float32)
+            torch.nn.init.xavier_uniform_(full, generator=torch.Generator().manual_seed(zlib.crc32(tag)))
+            window = tuple(slice(o, o + n) for o, n in zip(tensor.global_offset[pre:], local.shape))
+            local.copy_(full[window].to(local.dtype))

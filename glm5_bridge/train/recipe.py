@@ -24,6 +24,10 @@ class ModelConfig:
     dsa_attention_backend: str = "megatron"  # "megatron" (unfused, any device) | "tilelang" (GPU, thd)
     tensor_model_parallel_size: int = 1
     dsa_token_parallel: bool = False  # TP > 1: sparse attention split by tokens, not heads
+    pipeline_model_parallel_size: int = 1
+    # Decoder layers per pipeline stage (first, …, last; the middle stages equal), e.g. [14, 16, 16,
+    # 16, 16]; empty = megatron's even split. A stage may not start on an IndexShare "shared" layer.
+    pipeline_stage_layers: list[int] = field(default_factory=list)
     expert_model_parallel_size: int = 1
     mtp_loss_scaling_factor: float = 0.0  # LoRA fine-tuning trains the main LM loss only by default
     bf16: bool = False  # parameters in bf16 (GPU); fp32 otherwise
@@ -43,6 +47,7 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     train: str = "glm5_bridge/train/data/arithmetic.jsonl"  # chat jsonl (SFT) or rollout jsonl (RL)
+    valid: str = ""  # validation chat jsonl (SFT): its loss every train.eval_every steps
     max_tokens: int = 512  # tokens per packed micro-batch
     limit: int = 0  # use only the first N samples (0 = all)
     seed: int = 0
@@ -51,6 +56,11 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 30
+    # Packed micro-batches (data.max_tokens tokens each) per optimizer step, summed over the data-
+    # parallel ranks: each DP rank runs global_batch_size / DP of them. The step's loss is the summed
+    # token NLL of the whole global batch over its loss-token count, whatever the layout.
+    global_batch_size: int = 1
+    use_distributed_optimizer: bool = False  # shard the Adam state over DP (megatron's distributed optimizer)
     lr: float = 1e-3
     min_lr: float = 0.0
     warmup_steps: int = 0
@@ -61,6 +71,12 @@ class TrainConfig:
     save_every: int = 10  # checkpoint every N steps (0 = only at the end)
     output_dir: str = "runs/sft"
     resume: bool = True  # continue from output_dir/checkpoints/latest when present
+    eval_every: int = 0  # validation loss every N steps (needs data.valid; 0 = never)
+    tensorboard_dir: str = ""  # default {output_dir}/tensorboard; "none" turns it off
+    wandb_project: str = ""  # log to Weights & Biases too (when wandb is installed)
+    # GPU memory to plan the layout against before building the model (glm5_bridge/train/plan.py): 0 = the
+    # device's own on a GPU; no check on a CPU.
+    gpu_memory_gib: float = 0.0
     # torch.use_deterministic_algorithms: bit-exact repeats and resumes (the CPU gather backward
     # otherwise sums in thread order, ~1e-7 apart run to run); on GPU it may cost speed.
     deterministic: bool = False

@@ -12,30 +12,28 @@ Rollout jsonl, one sample per line:
                       (glm5_bridge/model/replay.py, glm5_bridge/train/routing_replay.py)
 
 Loss per response token: −min(ρ·A, clip(ρ, 1−ε, 1+ε)·A), ρ = exp(log p_θ − log p_rollout), plus
-`kl_coef`·KL(π_θ ‖ π_ref) (k3 estimator) where the reference is the base model (adapters off).
-Every step also reports the train↔rollout mismatch on the response tokens: mean and max
-|log p_θ − log p_rollout| and KL(rollout ‖ train) (k3), the numbers R3 replay exists to shrink.
+`kl_coef`·KL(π_θ ‖ π_ref) (k3 estimator) where the reference is the base model (adapters off),
+summed over the response tokens of the whole global batch and divided by their count (the engine's
+per-token normalisation, train/engine.py). Every step also reports the train↔rollout mismatch on
+the response tokens: mean and max |log p_θ − log p_rollout| and KL(rollout ‖ train) (k3), the
+numbers R3 replay exists to shrink. Runs, resumes, checkpoints and exports like SFT (train/sft.py).
 """
 
 from __future__ import annotations
 
-import json
 import time
-from contextlib import ExitStack
-from pathlib import Path
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.files import atomic_write_text
-from glm5_bridge.train.data import greedy_groups, pack, read_jsonl
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts
 from glm5_bridge.model.replay import IndexerReplay
-from glm5_bridge.train.routing_replay import replaying_routes
-from glm5_bridge.train import checkpoint
-from glm5_bridge.train.common import adapters_off, build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
+from glm5_bridge.train.common import adapters_off, token_logprobs, token_nll
+from glm5_bridge.train.data import GlobalBatches, greedy_groups, pack, read_jsonl
 from glm5_bridge.train.recipe import Recipe
-from glm5_bridge.model.validate import validate_checkpoint
+from glm5_bridge.train.routing_replay import replaying_routes
+from glm5_bridge.train.run import deterministic_algorithms, run_steps
 
 
 class Rollout:
@@ -112,8 +110,8 @@ def rollout_batch(samples: list[Rollout], vocab_size: int):
 
 
 def policy_logprobs(model, batch, replay: bool) -> torch.Tensor:
-    """[T] log-probs of the labels; with `replay`, under the rollout's indexer top-k and expert
-    routing (whichever the rollouts carry)."""
+    """[T] log-probs of the labels from a plain model chunk; with `replay`, under the rollout's
+    indexer top-k and expert routing (whichever the rollouts carry)."""
     with ExitStack() as stack:
         if replay and batch.replay is not None:
             stack.enter_context(IndexerReplay.replaying(batch.replay))
@@ -122,83 +120,136 @@ def policy_logprobs(model, batch, replay: bool) -> torch.Tensor:
         return token_logprobs(model, batch)
 
 
-def rl_loss(logprobs, batch, clip_eps: float, kl_coef: float, ref_logprobs=None):
-    """(loss, metrics) for one micro-batch; all averages over response tokens."""
-    mask = batch.loss_mask[0]
-    old = batch.rollout_logprobs[0]
-    adv = batch.advantages[0]
-    log_ratio = logprobs - old
-    ratio = torch.exp(log_ratio)
-    pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    loss = masked_mean(pg, mask)
-    metrics = {}
-    if kl_coef and ref_logprobs is not None:
-        d = ref_logprobs - logprobs
-        kl_ref = masked_mean(torch.exp(d) - d - 1, mask)
-        loss = loss + kl_coef * kl_ref
-        metrics["kl_to_reference"] = kl_ref.item()
-    with torch.no_grad():
-        diff = log_ratio.detach().abs() * mask
-        lr_d = log_ratio.detach()
-        metrics.update({
-            "logprob_abs_diff_mean": (diff.sum() / mask.sum().clamp_min(1)).item(),
-            "logprob_abs_diff_max": diff.max().item(),
-            # KL(rollout ‖ train), k3 estimator on rollout samples.
-            "kl_rollout_train": masked_mean(torch.exp(lr_d) - lr_d - 1, mask).item(),
-            "ratio_mean": masked_mean(ratio.detach(), mask).item(),
-        })
-    return loss, metrics
+def replay_context(replay: bool, base: bool = False):
+    """The engine's per-micro-batch forward context: the rollout's top-k bound to this micro-batch
+    (IndexerReplay.attach, which backward recomputes also find) and its experts; `base`: adapters off."""
+    @contextmanager
+    def context(batch, packed_seq_params, model):
+        with ExitStack() as stack:
+            if base:
+                stack.enter_context(adapters_off(model))
+            if replay and batch.replay is not None:
+                IndexerReplay.attach(packed_seq_params, batch.replay)
+            if replay and batch.routes is not None:
+                stack.enter_context(replaying_routes(model, batch.routes))
+            yield
+    return context
 
 
-def rl_step(model, params, optimizer, scheduler, batch, recipe: Recipe) -> dict:
-    """One optimizer step on one rollout micro-batch."""
+def with_padding_payloads(batch):
+    """After engine.fit: the padding segment (if any) gets payloads that ask for nothing (all −1: the
+    layer's indexer and the router choose), so every packed segment has one."""
+    extra = getattr(batch, "padding", 0)
+    if not extra:
+        return batch
+    if batch.replay is not None:
+        first = batch.replay[0]
+        batch.replay = [*batch.replay, RequestTopk(torch.full((extra, first.num_layers, first.index_topk), -1,
+                                                              dtype=torch.int32))]
+    if batch.routes is not None:
+        first = batch.routes[0]
+        batch.routes = [*batch.routes, torch.full((extra, *first.shape[1:]), -1, dtype=torch.int32)]
+    n = batch.num_tokens - batch.rollout_logprobs.shape[1]
+    batch.rollout_logprobs = torch.cat([batch.rollout_logprobs, torch.zeros(1, n)], 1)
+    batch.advantages = torch.cat([batch.advantages, torch.zeros(1, n)], 1)
+    return batch
+
+
+RL_METRICS = ["pg_sum", "kl_ref_sum", "absdiff_sum", "absdiff_max", "kl_rt_sum", "ratio_sum", "resp_tokens", "tokens"]
+
+
+def rl_loss_fn(clip_eps: float, kl_coef: float):
+    """Per micro-batch: (summed per-token loss over its response tokens, their count, sums)."""
+    def loss_fn(output, batch):
+        mask = batch.loss_mask[0]
+        logprobs = -token_nll(output, batch.labels)
+        log_ratio = logprobs - batch.rollout_logprobs[0]
+        ratio = torch.exp(log_ratio)
+        adv = batch.advantages[0]
+        pg = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+        loss = (pg * mask).sum()
+        kl_ref = torch.zeros((), device=loss.device)
+        if kl_coef and getattr(batch, "ref_logprobs", None) is not None:
+            d = batch.ref_logprobs - logprobs
+            kl_ref = ((torch.exp(d) - d - 1) * mask).sum()
+            loss = loss + kl_coef * kl_ref
+        with torch.no_grad():
+            lr_d = log_ratio.detach()
+            diff = lr_d.abs() * mask
+            real = torch.tensor(float(batch.num_tokens - getattr(batch, "padding", 0)), device=loss.device)
+            metrics = {"pg_sum": (pg.detach() * mask).sum(), "kl_ref_sum": kl_ref.detach(), "absdiff_sum": diff.sum(),
+                       "absdiff_max": diff.max(), "kl_rt_sum": ((torch.exp(lr_d) - lr_d - 1) * mask).sum(),
+                       "ratio_sum": (ratio.detach() * mask).sum(), "resp_tokens": mask.sum(), "tokens": real}
+        return loss, mask.sum().to(torch.int), metrics
+    return loss_fn
+
+
+def reference_logprobs(engine, micro_batches: list, replay: bool) -> None:
+    """The base model's (adapters off) log-probs of every micro-batch, kept on the batch for the KL
+    term (on the last pipeline stage, where the loss is computed)."""
+    def collect(output, batch):
+        lp = -token_nll(output, batch.labels)
+        return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), {"logprobs": lp}
+
+    _, per_batch = engine.forward_only(micro_batches, collect, [], context=replay_context(replay, base=True))
+    for batch, d in zip(micro_batches, per_batch):
+        batch.ref_logprobs = d["logprobs"].detach()
+
+
+def rl_record(m: dict, step: int, seconds: float, replayed: bool, routed: bool) -> dict:
+    n = max(m["resp_tokens"], 1.0)
+    return {"step": step, "loss": (m["pg_sum"] + m.get("kl_coef", 0.0) * m["kl_ref_sum"]) / n,
+            "pg_loss": m["pg_sum"] / n, "kl_to_reference": m["kl_ref_sum"] / n, "grad_norm": m["grad_norm"],
+            "lr": m["lr"], "logprob_abs_diff_mean": m["absdiff_sum"] / n, "logprob_abs_diff_max": m["absdiff_max"],
+            "kl_rollout_train": m["kl_rt_sum"] / n, "ratio_mean": m["ratio_sum"] / n, "replay": replayed,
+            "routing_replay": routed, "tokens": int(m["tokens"]), "tokens_per_s": m["tokens"] / seconds}
+
+
+def rl_step(engine, micro_batches: list, recipe: Recipe, step: int) -> dict:
+    """One optimizer step over this rank's rollout micro-batches (already fitted to the layout)."""
     rl = recipe.rl
-    ref = None
+    micro_batches = [with_padding_payloads(b) for b in micro_batches]
+    replayed = bool(rl.replay and micro_batches and micro_batches[0].replay is not None)
+    routed = bool(rl.replay and micro_batches and micro_batches[0].routes is not None)
+    t0 = time.perf_counter()
     if rl.kl_coef:
-        with torch.no_grad(), adapters_off(model):
-            ref = policy_logprobs(model, batch, rl.replay)
-    logprobs = policy_logprobs(model, batch, rl.replay)
-    loss, metrics = rl_loss(logprobs, batch, rl.clip_eps, rl.kl_coef, ref)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), recipe.train.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    metrics.update(loss=loss.item(), grad_norm=float(grad_norm), replay=bool(rl.replay and batch.replay is not None),
-                   routing_replay=bool(rl.replay and getattr(batch, "routes", None) is not None))
-    return metrics
+        reference_logprobs(engine, micro_batches, rl.replay)
+    m = engine.step(micro_batches, rl_loss_fn(rl.clip_eps, rl.kl_coef), RL_METRICS, context=replay_context(rl.replay))
+    m["kl_coef"] = rl.kl_coef
+    return rl_record(m, step, time.perf_counter() - t0, replayed, routed)
 
 
-def train_rl(recipe: Recipe) -> dict:
-    """RL on a rollout file (recipe.data.train): micro-batches of whole samples up to
-    data.max_tokens, one optimizer step each, cycling through the file."""
-    # Inputs first (cheap, one-line errors), then the model, then the output folder.
+def train_rl(recipe: Recipe, stop_after: int | None = None) -> dict:
+    """RL on a rollout file (recipe.data.train): global batches of packed rollout micro-batches (whole
+    samples up to data.max_tokens, file order, cycled), checkpoints, resume and export like SFT."""
+    with deterministic_algorithms(recipe.train.deterministic):
+        return _train_rl(recipe, stop_after)
+
+
+def _train_rl(recipe: Recipe, stop_after: int | None) -> dict:
+    from glm5_bridge.model.validate import validate_checkpoint
+    from glm5_bridge.train.engine import Engine, data_parallel_info
+    from glm5_bridge.train.plan import check_recipe_fits
+
+    # Inputs first (cheap, one-line errors), then the layout against the GPU, then the model.
     validate_checkpoint(recipe.model.checkpoint)
     hf = load_hf_config(recipe.model.checkpoint)
+    t = recipe.train
     samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit)
     groups = _micro_batches(samples, recipe.data.max_tokens)
     routes = recipe.rl.replay and all(s.routes is not None for s in samples)
-    bridge, model, params = build_policy(recipe, **({"moe_enable_routing_replay": True} if routes else {}))
-    optimizer, scheduler = optimizer_and_schedule(params, recipe)
-    out = Path(recipe.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.train()
-    history = []
-    for step in range(recipe.train.steps):
-        batch = rollout_batch(groups[step % len(groups)], model.vocab_size)
-        t0 = time.perf_counter()
-        metrics = rl_step(model, params, optimizer, scheduler, batch, recipe)
-        metrics.update(step=step + 1, tokens_per_s=batch.num_tokens / (time.perf_counter() - t0))
-        history.append(metrics)
-        print(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in metrics.items()}))
-        if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0:
-            checkpoint.save(out / "checkpoints", step + 1, params, optimizer, scheduler, history)
-    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
-    plot_curves(history, ["loss", "logprob_abs_diff_mean", "kl_rollout_train"], out / "rl.png", "LoRA RL")
-    return {"history": history, "model": model, "bridge": bridge}
+    check_recipe_fits(recipe, hf)
+    engine = Engine(recipe, **({"moe_enable_routing_replay": True} if routes else {}))
+    dp_rank, dp_size = data_parallel_info()
+    stream = GlobalBatches(lambda e: [rollout_batch(g, hf.vocab_size) for g in groups], t.global_batch_size)
+    stream.step(0, dp_rank, dp_size)
+
+    return run_steps(recipe, engine, "rl",
+                     lambda step: rl_step(engine, [engine.fit(b) for b in stream.step(step, dp_rank, dp_size)],
+                                          recipe, step + 1),
+                     ["loss", "logprob_abs_diff_mean", "kl_rollout_train"], "rl.png", stop_after)
 
 
 def _micro_batches(samples: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
     groups = greedy_groups([len(s.tokens) for s in samples], max_tokens, what="rollout")
     return [[samples[i] for i in group] for group in groups]
-

@@ -30,36 +30,40 @@ class _ReplayWithGaps(RouterReplay):
 
 
 def decoder_routers(model) -> list:
-    """The decoder's MoE router modules in layer order (MTP excluded)."""
+    """The decoder's MoE router modules of this model chunk (this pipeline stage's), in layer order
+    (MTP excluded); each knows its global layer number."""
     routers = [m for name, m in model.named_modules()
-               if getattr(m, "router_replay", None) is not None and not name.startswith("mtp.")]
-    if not routers:
+               if getattr(m, "router_replay", None) is not None and ".mtp." not in f".{name}"]
+    if not routers and any(hasattr(m, "router") for m in model.modules()):
         raise ValueError("the model was built without moe_enable_routing_replay=True")
     return routers
 
 
 @contextmanager
 def replaying_routes(model, per_sample: list[torch.Tensor]):
-    """Route every decoder MoE layer by the given experts for the forward(s) inside the block.
+    """Route every decoder MoE layer of this chunk by the given experts for the forward(s) inside
+    the block.
 
-    per_sample[i]: int32 [len_i − 1 (or len_i), MoE layers, topk] for the i-th packed sample,
-    −1 rows routed by the router itself.
+    per_sample[i]: int32 [len_i − 1 (or len_i), MoE layers of the whole model, topk] for the i-th
+    packed sample, −1 rows routed by the router itself.
     """
     routers = decoder_routers(model)
+    first_moe = model.config.moe_layer_freq.index(1) if isinstance(model.config.moe_layer_freq, list) else 0
+    slots = [router.layer_number - 1 - first_moe for router in routers]  # payload slot of each router
     per_layer = [[] for _ in routers]
     for i, experts in enumerate(per_sample):
-        if experts.shape[1] != len(routers):
-            raise ValueError(f"sample {i}: routed experts for {experts.shape[1]} MoE layers; the model has {len(routers)}")
-        last = torch.full((1, len(routers), experts.shape[2]), -1, dtype=torch.int32)
+        if slots and experts.shape[1] <= max(slots):
+            raise ValueError(f"sample {i}: routed experts for {experts.shape[1]} MoE layers; the model has more")
+        last = torch.full((1, experts.shape[1], experts.shape[2]), -1, dtype=torch.int32)
         experts = torch.cat([experts, last])
-        for j in range(len(routers)):
-            per_layer[j].append(experts[:, j])
+        for j, slot in enumerate(slots):
+            per_layer[j].append(experts[:, slot])
     upstream = [router.router_replay for router in routers]
     try:
         for router, targets in zip(routers, per_layer):
             replay = _ReplayWithGaps()
             RouterReplay.global_router_replay_instances.remove(replay)  # ours is scoped to this block
-            replay.set_target_indices(torch.cat(targets).long())
+            replay.set_target_indices(torch.cat(targets).long().to(router.weight.device))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             router.router_replay = replay
         yield

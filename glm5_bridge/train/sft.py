@@ -1,141 +1,110 @@
-"""LoRA SFT: chat jsonl → packed thd micro-batches → masked next-token loss → AdamW on the adapters,
-with atomic checkpoints, exact resume, a progress bar, a loss-curve PNG and an HF export at the end.
+"""LoRA SFT on the engine (train/engine.py): chat jsonl → packed thd micro-batches → global batches
+→ masked next-token loss, per token over the whole global batch → megatron's Adam on the adapters;
+distributed checkpoints with exact resume, validation loss, TensorBoard, a loss curve and an HF
+export at the end.
 
-The data order is a function of (data.seed, epoch) only and the step index picks the micro-batch,
-so a resumed run sees exactly the batches the uninterrupted run would have seen.
+    glm5-bridge train recipes/tiny_lora_sft.yaml                                   # one process
+    torchrun --nproc-per-node 2 -m glm5_bridge train recipes/tiny_lora_sft.yaml train.global_batch_size=4
+
+The micro-batch stream is a function of data.seed alone and step s reads global batch s
+(data.GlobalBatches), so a resumed run — at the same or another layout — sees exactly the batches
+the uninterrupted run would have seen.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.files import atomic_write_text
-from glm5_bridge.train.data import packed_batches, read_jsonl, tokenize_chat
-from glm5_bridge.train import checkpoint
-from glm5_bridge.train.common import build_policy, masked_mean, optimizer_and_schedule, plot_curves, token_logprobs
+from glm5_bridge.train.common import token_nll
+from glm5_bridge.train.data import GlobalBatches, packed_batches, read_jsonl, tokenize_chat
 from glm5_bridge.train.recipe import Recipe
-from glm5_bridge.model.validate import validate_checkpoint
+from glm5_bridge.train.run import deterministic_algorithms, run_steps
+
+METRICS = ["nll_sum", "loss_tokens", "tokens"]
 
 
-class BatchSchedule:
-    """Micro-batch for a global step: epochs of shuffled, packed samples, cycled."""
-
-    def __init__(self, tokenized, max_tokens: int, vocab_size: int, seed: int):
-        self.tokenized, self.max_tokens, self.vocab_size, self.seed = tokenized, max_tokens, vocab_size, seed
-        self._epochs: dict[int, list] = {}
-
-    def __getitem__(self, step: int):
-        epoch0 = self._epoch(0)
-        epoch, index = divmod(step, len(epoch0))
-        return self._epoch(epoch)[index % len(self._epoch(epoch))]
-
-    def _epoch(self, epoch: int):
-        if epoch not in self._epochs:
-            self._epochs = {epoch: packed_batches(self.tokenized, self.max_tokens, self.vocab_size, self.seed, epoch)}
-        return self._epochs[epoch]
-
-
-def load_sft_data(recipe: Recipe, tokenizer, vocab_size: int) -> BatchSchedule:
+def load_chat(path, recipe: Recipe, tokenizer, vocab_size: int, limit: int = 0) -> list[tuple[list[int], list[int]]]:
     """Every sample tokenized and checked (assistant turn present, ids inside the vocabulary, length
     within data.max_tokens) before training starts; errors name the file and line."""
-    rows = read_jsonl(recipe.data.train)
-    if recipe.data.limit:
-        rows = rows[: recipe.data.limit]
+    rows = read_jsonl(path)
+    if limit:
+        rows = rows[:limit]
     if not rows:
-        raise ValueError(f"{recipe.data.train}: no samples")
+        raise ValueError(f"{path}: no samples")
     tokenized = []
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "messages" not in row:
-            raise ValueError(f"{recipe.data.train}: line {i + 1} has no 'messages' key")
+            raise ValueError(f"{path}: line {i + 1} has no 'messages' key")
         try:
             ids, mask = tokenize_chat(tokenizer, row["messages"])
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise ValueError(f"{recipe.data.train}: line {i + 1}: {e}") from None
+            raise ValueError(f"{path}: line {i + 1}: {e}") from None
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"{recipe.data.train}: line {i + 1}: token id {bad[0]} is outside the vocabulary "
+            raise ValueError(f"{path}: line {i + 1}: token id {bad[0]} is outside the vocabulary "
                              f"(size {vocab_size}; does the tokenizer belong to the checkpoint?)")
         if len(ids) > recipe.data.max_tokens:
-            raise ValueError(f"{recipe.data.train}: line {i + 1} has {len(ids)} tokens, more than "
+            raise ValueError(f"{path}: line {i + 1} has {len(ids)} tokens, more than "
                              f"data.max_tokens={recipe.data.max_tokens}")
         tokenized.append((ids, mask))
-    return BatchSchedule(tokenized, recipe.data.max_tokens, vocab_size, recipe.data.seed)
+    return tokenized
+
+
+def sft_loss(output, batch):
+    """(summed masked NLL, loss-token count, metrics) of one micro-batch: the engine divides the
+    global batch's gradients by its total count (per-token normalisation)."""
+    mask = batch.loss_mask[0]
+    nll = (token_nll(output, batch.labels) * mask).sum()
+    count = mask.sum()
+    real = torch.tensor(float(batch.num_tokens - getattr(batch, "padding", 0)), device=nll.device)
+    return nll, count.to(torch.int), {"nll_sum": nll.detach(), "loss_tokens": count.detach(), "tokens": real}
 
 
 def train_sft(recipe: Recipe, stop_after: int | None = None) -> dict:
     """Run (or resume) the recipe. `stop_after` ends the run early after that many steps of this
-    call (used to test resume); the returned dict has the loss history and the export path."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(recipe.train.deterministic)
-    try:
+    call (used to test resume); the returned dict has the history and the export path."""
+    with deterministic_algorithms(recipe.train.deterministic):
         return _train_sft(recipe, stop_after)
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
     from transformers import AutoTokenizer
 
-    # Inputs first (cheap, one-line errors), then the model, then the output folder.
+    from glm5_bridge.model.validate import validate_checkpoint
+    from glm5_bridge.train.engine import Engine, data_parallel_info
+    from glm5_bridge.train.plan import check_recipe_fits
+
+    # Inputs first (cheap, one-line errors), then the layout against the GPU, then the model.
     validate_checkpoint(recipe.model.checkpoint)
+    hf = load_hf_config(recipe.model.checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
-    batches = load_sft_data(recipe, tokenizer, load_hf_config(recipe.model.checkpoint).vocab_size)
-    bridge, model, params = build_policy(recipe)
-    optimizer, scheduler = optimizer_and_schedule(params, recipe)
-    out = Path(recipe.train.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    data, t = recipe.data, recipe.train
+    samples = load_chat(data.train, recipe, tokenizer, hf.vocab_size, data.limit)
+    valid = load_chat(data.valid, recipe, tokenizer, hf.vocab_size) if data.valid else []
+    if t.eval_every and not valid:
+        raise ValueError("train.eval_every is set but data.valid names no validation file")
+    check_recipe_fits(recipe, hf)
+    engine = Engine(recipe)
+    dp_rank, dp_size = data_parallel_info()
+    stream = GlobalBatches(lambda e: packed_batches(samples, data.max_tokens, hf.vocab_size, data.seed, e),
+                           t.global_batch_size)
+    stream.step(0, dp_rank, dp_size)  # global_batch_size vs DP, before the first step
+    valid_batches = packed_batches(valid, data.max_tokens, hf.vocab_size, data.seed, 0)[dp_rank::dp_size] if valid else []
 
-    start, history = 0, []
-    checkpoint.remove_abandoned(out / "checkpoints")  # half-written saves of a killed run
-    saved = checkpoint.load_latest(out / "checkpoints") if recipe.train.resume else None
-    if saved is not None:
-        start = checkpoint.restore(saved[0], params, optimizer, scheduler)
-        history = saved[1]
-    else:
-        torch.manual_seed(recipe.train.seed)
-
-    model.train()
-    end = recipe.train.steps if stop_after is None else min(recipe.train.steps, start + stop_after)
-    bar = tqdm(range(start, end), initial=start, total=recipe.train.steps, desc="sft", dynamic_ncols=True)
-    for step in bar:
-        batch = batches[step]
+    def one_step(step: int) -> dict:
+        micro_batches = [engine.fit(b) for b in stream.step(step, dp_rank, dp_size)]
         t0 = time.perf_counter()
-        loss = -masked_mean(token_logprobs(model, batch), batch.loss_mask)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), recipe.train.grad_clip)
-        optimizer.step()
-        scheduler.step()
+        m = engine.step(micro_batches, sft_loss, METRICS)
         seconds = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss.item(), "grad_norm": float(grad_norm),
-                  "lr": scheduler.get_last_lr()[0], "tokens": batch.num_tokens,
-                  "tokens_per_s": batch.num_tokens / seconds}
-        history.append(record)
-        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        every = recipe.train.save_every
-        if (every and (step + 1) % every == 0) or step + 1 == recipe.train.steps:
-            checkpoint.save(out / "checkpoints", step + 1, params, optimizer, scheduler, history)
-    bar.close()
+        record = {"step": step + 1, "loss": m["nll_sum"] / max(m["loss_tokens"], 1.0), "grad_norm": m["grad_norm"],
+                  "lr": m["lr"], "tokens": int(m["tokens"]), "loss_tokens": int(m["loss_tokens"]),
+                  "tokens_per_s": m["tokens"] / seconds}
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            v, _ = engine.forward_only([engine.fit(b) for b in valid_batches], sft_loss, METRICS)
+            record["valid_loss"] = v["nll_sum"] / max(v["loss_tokens"], 1.0)
+        return record
 
-    result = {"history": history, "output_dir": str(out)}
-    atomic_write_text(out / "history.json", json.dumps(history, indent=1))
-    if history:
-        result["loss_curve"] = str(plot_curves(history, ["loss"], out / "loss.png", "LoRA SFT"))
-    if end == recipe.train.steps and recipe.export.kind != "none":
-        result["export"] = str(export_trained(recipe, bridge, model))
-    result["model"] = model
-    return result
-
-
-def export_trained(recipe: Recipe, bridge, model) -> Path:
-    from glm5_bridge.train.export import export_adapter, export_merged
-
-    target = Path(recipe.export.dir or Path(recipe.train.output_dir) / f"export_{recipe.export.kind}")
-    write = export_merged if recipe.export.kind == "merged" else export_adapter
-    return write(bridge, model, target, overwrite=True)
+    return run_steps(recipe, engine, "sft", one_step, ["loss", "valid_loss"], "loss.png", stop_after)

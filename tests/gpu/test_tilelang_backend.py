@@ -112,15 +112,9 @@ def test_short_sequences(lengths):
 
 def make_kernel_tiny_checkpoint(path):
     """The tiny GLM-5.2 checkpoint with KERNEL_TINY's changes."""
-    from glm5_bridge import testing
+    from glm5_bridge.tiny import make_tiny_checkpoint
 
-    saved = dict(testing.TINY)
-    testing.TINY.update(KERNEL_TINY)
-    try:
-        return testing.make_tiny_checkpoint("GLM-5.2", path, seed=0)
-    finally:
-        testing.TINY.clear()
-        testing.TINY.update(saved)
+    return make_tiny_checkpoint("GLM-5.2", path, seed=0, **KERNEL_TINY)
 
 
 def test_fewer_queries_than_keys():

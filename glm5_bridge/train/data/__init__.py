@@ -9,6 +9,7 @@ every sample), the format the fused DSA backend needs and the unfused one accept
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from dataclasses import dataclass
@@ -81,12 +82,13 @@ def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]
     return ids, mask
 
 
-def packed_seq_params(lengths: list[int]):
+def packed_seq_params(lengths: list[int], device=None):
     """thd `PackedSeqParams` for sequences of the given lengths packed end to end."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    cu = cu.to(device) if device is not None else cu
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
 
@@ -105,8 +107,39 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def packed_seq_params(self):
-        return packed_seq_params(self.lengths)
+    def packed_seq_params(self, device=None):
+        return packed_seq_params(self.lengths, device)
+
+    def to(self, device) -> "PackedBatch":
+        """A copy whose tensors (extra ones set by the trainers included) live on `device`."""
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if torch.is_tensor(value):
+                setattr(moved, name, value.to(device))
+        return moved
+
+
+PAD_ID = 0  # the token a padding segment holds (never in the loss)
+
+
+def padded(batch: PackedBatch, length: int) -> PackedBatch:
+    """The batch with a padding segment appended (its own sequence, loss mask 0) so that it holds
+    `length` tokens: tensor-parallel sequence splits and pipeline sends need fixed, divisible lengths.
+    Attention never crosses segments, so the real tokens compute exactly as without it."""
+    extra = length - batch.num_tokens
+    if extra < 0:
+        raise ValueError(f"a micro-batch of {batch.num_tokens} tokens does not fit {length}")
+    if extra == 0:
+        return batch
+    out = copy.copy(batch)
+    row = lambda x: torch.tensor(x, dtype=batch.input_ids.dtype).unsqueeze(0)  # noqa: E731
+    out.input_ids = torch.cat([batch.input_ids, row([PAD_ID] * extra)], 1)
+    out.labels = torch.cat([batch.labels, row([PAD_ID] * extra)], 1)
+    out.loss_mask = torch.cat([batch.loss_mask, torch.zeros(1, extra, dtype=batch.loss_mask.dtype)], 1)
+    out.position_ids = torch.cat([batch.position_ids, row(list(range(extra)))], 1)
+    out.lengths = [*batch.lengths, extra]
+    out.padding = extra
+    return out
 
 
 def pack(samples: list[tuple[list[int], list[int]]], vocab_size: int) -> PackedBatch:
@@ -148,3 +181,40 @@ def packed_batches(tokenized: list[tuple[list[int], list[int]]], max_tokens: int
     random.Random(seed * 100003 + epoch).shuffle(order)
     groups = greedy_groups([len(tokenized[i][0]) for i in order], max_tokens)
     return [pack([tokenized[order[j]] for j in group], vocab_size) for group in groups]
+
+
+class GlobalBatches:
+    """The run's stream of packed micro-batches — epochs of `epoch(e)` laid end to end — cut into
+    global batches of `size` micro-batches: step s takes stream items [s·size, (s+1)·size), whatever
+    the layout, and a data-parallel rank takes every dp-th of them. The stream is a function of the
+    data seed alone, so a resumed run (any layout) continues exactly where it stopped."""
+
+    def __init__(self, epoch, size: int):
+        self.epoch, self.size = epoch, size
+        self._cache: dict[int, list] = {}  # the two most recent epochs
+        self._lengths: dict[int, int] = {}  # micro-batches per epoch, every epoch seen
+
+    def _epoch(self, e: int) -> list:
+        if e not in self._cache:
+            self._cache = {k: v for k, v in self._cache.items() if k == e - 1}
+            self._cache[e] = self.epoch(e)
+            if not self._cache[e]:
+                raise ValueError("an epoch holds no micro-batches")
+            self._lengths[e] = len(self._cache[e])
+        return self._cache[e]
+
+    def _length(self, e: int) -> int:
+        return self._lengths[e] if e in self._lengths else len(self._epoch(e))
+
+    def item(self, index: int):
+        e = 0
+        while index >= self._length(e):
+            index -= self._length(e)
+            e += 1
+        return self._epoch(e)[index]
+
+    def step(self, step: int, dp_rank: int = 0, dp_size: int = 1) -> list:
+        """This DP rank's micro-batches of global batch `step`."""
+        if self.size % dp_size:
+            raise ValueError(f"train.global_batch_size {self.size} is not divisible by the {dp_size} data-parallel ranks")
+        return [self.item(step * self.size + i) for i in range(dp_rank, self.size, dp_size)]

@@ -128,3 +128,46 @@ def memory_per_gpu(c, plan: Plan) -> dict[str, float]:
         if best is None or row["total"] > best["total"]:
             best = row
     return best
+
+
+# Memory of one GPU as torch reports it (GiB), by the name `plan --gpu` takes.
+GPU_MEMORY_GIB = {"H100": 79.2, "H200": 139.8, "A100": 79.2, "B200": 178.4}
+# The share of a GPU's memory a plan may fill: the estimate leaves out the CUDA context, the
+# allocator's fragmentation, communication buffers and the kernels' workspaces.
+USABLE = 0.9
+
+
+def verdict(c, plan: Plan, gpu_memory_gib: float) -> tuple[bool, str]:
+    """(fits, one line with the numbers) for this layout on GPUs of that much memory."""
+    m = memory_per_gpu(c, plan)
+    budget = USABLE * gpu_memory_gib
+    fits = m["total"] <= budget
+    return fits, (f"{'fits' if fits else 'does not fit'}: the busiest GPU (PP stage {m['stage']}) needs "
+                  f"{m['total']:.1f} GiB (weights {m['weights_bf16']:.1f}, LoRA + Adam "
+                  f"{m['lora_params_grads_adam']:.1f}, activations {m['activations']:.1f}); "
+                  f"{budget:.1f} of {gpu_memory_gib:.1f} GiB usable")
+
+
+def recipe_plan(recipe) -> Plan:
+    m = recipe.model
+    return Plan(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, ep=m.expert_model_parallel_size,
+                seq_len=recipe.data.max_tokens, lora_dim=recipe.lora.dim,
+                stage_layers=tuple(m.pipeline_stage_layers) or None)
+
+
+def check_recipe_fits(recipe, hf_config) -> None:
+    """Before the model is built: refuse a layout that cannot fit this GPU (train.gpu_memory_gib, or
+    the device's own memory), in one line with the numbers. Nothing to check on a CPU."""
+    import torch
+
+    gib = recipe.train.gpu_memory_gib
+    if not gib and torch.cuda.is_available():
+        gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    if not gib:
+        return
+    plan = recipe_plan(recipe)
+    fits, line = verdict(hf_config, plan, gib)
+    if not fits:
+        raise ValueError(f"layout TP {plan.tp} PP {plan.pp} EP {plan.ep} at data.max_tokens {plan.seq_len} "
+                         f"{line}; raise model.pipeline_model_parallel_size or expert_model_parallel_size, or "
+                         "lower data.max_tokens")
