@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 from pathlib import Path
@@ -36,9 +37,9 @@ def _make_tiny(args):
 
 
 def _train(args):
-    from glm5_bridge.train.recipe import load_recipe
+    from glm5_bridge.train.recipe import find_recipe, load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(find_recipe(args.recipe), args.overrides)
     out = Path(recipe.train.output_dir)
     fresh = not out.exists()
     try:
@@ -90,9 +91,8 @@ def _export(args):
         raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
     engine = Engine(recipe)
     checkpoint.load(saved, engine)
-    write = export_adapter if args.adapter else export_merged
-    print(f"{'adapter' if args.adapter else 'merged'} export written to "
-          f"{write(engine.bridge, engine.chunk, args.dst, overwrite=args.overwrite)}")
+    write = export_adapter if args.kind == "adapter" else export_merged
+    print(f"{args.kind} export written to {write(engine.bridge, engine.chunk, args.dst, overwrite=args.overwrite, show_progress=True)}")
 
 
 def _plan(args):
@@ -123,9 +123,22 @@ def _demo(args):
     return run(args.workdir, sft_steps=args.sft_steps)
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from glm5_bridge import __version__
+
     parser = argparse.ArgumentParser(prog="glm5-bridge", description="GLM-5 / 5.1 / 5.2 with Megatron.")
+    parser.add_argument("--version", action="version", version=f"glm5-bridge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_DefaultsShown)
 
     p = sub.add_parser("convert", help="HF checkpoint → Megatron distributed checkpoint, or back",
                        description="Convert an HF GLM-5.x checkpoint folder into a Megatron distributed "
@@ -133,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "The source is only read; DST appears only once complete.")
     p.add_argument("src", help="HF checkpoint folder, or a Megatron checkpoint written by this command")
     p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron side (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron side")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(fn=_convert)
 
@@ -141,32 +154,35 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load CKPT in Megatron (our bridge) and in transformers, run the same random "
                                    "tokens through both in fp32 and print the max abs logit difference. Exit 1 if "
                                    "it is above --tol.")
-    p.add_argument("checkpoint")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--tol", type=float, default=1e-5)
+    p.add_argument("checkpoint", help="HF checkpoint folder")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences")
+    p.add_argument("--tol", type=float, default=1e-5, help="largest acceptable max |logit difference|")
     p.set_defaults(fn=_parity)
 
     p = sub.add_parser("train", help="run a YAML recipe (LoRA SFT or LoRA RL)",
-                       description="Train with a recipe from recipes/. Dotted overrides follow the file, e.g. "
+                       description="Train with a recipe (a file, or a shipped one by name). Dotted overrides follow the file, e.g. "
                                    "`glm5-bridge train recipes/tiny_lora_sft.yaml train.steps=20 lora.dim=8`; an "
                                    "unknown key or a wrong type is an error naming the key. A run resumes from "
                                    "its last checkpoint in train.output_dir.")
-    p.add_argument("recipe")
+    p.add_argument("recipe", help="a recipe file (YAML), or the name of a shipped one (tiny_lora_sft, "
+                                   "glm52_lora_sft, …: glm5_bridge/recipes/)")
     p.add_argument("overrides", nargs="*", help="key=value, dotted (train.steps=20)")
     p.set_defaults(fn=_train)
 
     p = sub.add_parser("export", help="export a trained run to HF: merged weights or a PEFT adapter",
                        description="Rebuild the run's model from RUN/recipe.yaml, load its last checkpoint and write "
-                                   "either an HF checkpoint with the LoRA deltas merged (--merge) or an HF PEFT "
-                                   "adapter (--adapter). DST appears only once complete; the base checkpoint is "
-                                   "only read.")
+                                   "either an HF checkpoint with the LoRA deltas merged (--kind merged) or an HF "
+                                   "PEFT adapter (--kind adapter), the kinds a recipe's export.kind names. DST "
+                                   "appears only once complete; the base checkpoint is only read.")
     p.add_argument("run", help="a training output_dir (holds recipe.yaml and checkpoints/)")
-    p.add_argument("dst")
+    p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
     kind = p.add_mutually_exclusive_group(required=True)
-    kind.add_argument("--merge", action="store_true", help="HF checkpoint with LoRA folded in")
-    kind.add_argument("--adapter", action="store_true", help="HF PEFT adapter (adapter_config.json + safetensors)")
-    p.add_argument("--overwrite", action="store_true")
+    kind.add_argument("--kind", choices=["merged", "adapter"], help="merged: HF checkpoint with LoRA folded in; "
+                      "adapter: HF PEFT adapter (adapter_config.json + safetensors)")
+    kind.add_argument("--merge", dest="kind", action="store_const", const="merged", help="same as --kind merged")
+    kind.add_argument("--adapter", dest="kind", action="store_const", const="adapter", help="same as --kind adapter")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("plan", help="parameters and per-GPU memory of a GLM-5.x model for a parallel layout",
@@ -175,10 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with Adam, activations with full recompute; see glm5_bridge/train/plan.py). Refuses "
                                    "pipeline splits where a stage would start on an IndexShare 'shared' layer.")
     p.add_argument("model", help='"GLM-5", "GLM-5.1", "GLM-5.2" or a checkpoint folder')
-    for flag, default in (("--tp", 8), ("--pp", 1), ("--ep", 8), ("--cp", 1)):
-        p.add_argument(flag, type=int, default=default)
+    for flag, default, what in (("--tp", 8, "tensor"), ("--pp", 1, "pipeline"), ("--ep", 8, "expert"),
+                                ("--cp", 1, "context")):
+        p.add_argument(flag, type=int, default=default, help=f"{what}-parallel size")
     p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
-    p.add_argument("--lora-dim", type=int, default=64)
+    p.add_argument("--lora-dim", type=int, default=64, help="LoRA rank")
     p.add_argument("--stages", help="decoder layers per PP stage, comma separated (default: even split)")
     p.add_argument("--gpu", choices=["H100", "H200", "A100", "B200"],
                    help="give a fits / does-not-fit verdict for this GPU (exit status 1 when it does not fit)")
@@ -186,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_plan)
 
     p = sub.add_parser("make-tiny", help="write a tiny random GLM-5.x HF checkpoint (for tests and demos)")
-    p.add_argument("variant", choices=["GLM-5", "GLM-5.1", "GLM-5.2"])
-    p.add_argument("dst")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("variant", choices=["GLM-5", "GLM-5.1", "GLM-5.2"], help="whose config (and IndexShare) to copy")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed")
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser("demo", help="the main job on the embedded default (tiny GLM-5.2), end to end",
@@ -196,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "transformers), LoRA-SFT it on the embedded arithmetic data, export the merged HF "
                                    "checkpoint, reload it in transformers and answer a few prompts. Everything is "
                                    "written under WORKDIR (summary.json, sft/loss.png).")
-    p.add_argument("--workdir", default="runs/demo")
+    p.add_argument("--workdir", default="runs/demo", help="where everything is written")
     p.add_argument("--sft-steps", type=int, default=None, help="override the recipe's train.steps")
     p.set_defaults(fn=_demo)
     return parser
@@ -215,10 +232,19 @@ def quiet_upstream_notices() -> None:
     import warnings
 
     for pattern in ("Transformer Engine and Apex", "Apex is not installed", "absl.logging", "transformer-engine>=",
-                    "is not tested with current version of modelopt", "`torch.jit.script` is deprecated"):
+                    "is not tested with current version of modelopt", "`torch.jit.script` is deprecated",
+                    "ModelProviderMixin-based model configuration is deprecated", "No CUDA runtime is found"):
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
-    for logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider"):
+    for logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider",
+                   "megatron.core.distributed.param_and_grad_buffer", "megatron.core.distributed.distributed_data_parallel",
+                   "megatron.bridge.peft.lora", "megatron.core.optimizer"):
         logging.getLogger(logger).addFilter(lambda record: record.levelno >= logging.WARNING)
+    for logger, notice in (("megatron.core.models.gpt.gpt_model", "IS DEPRECATED"),
+                           ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated")):
+        logging.getLogger(logger).addFilter(lambda record, notice=notice: notice not in record.getMessage())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # "torch_dtype is deprecated" and load reports
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_lora_sft.yaml"
+RECIPE = Path(__file__).resolve().parent / "recipes" / "tiny_lora_sft.yaml"
 
 
 def _answers(hf_model, tokenizer, problems) -> list[dict]:

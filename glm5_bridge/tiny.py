@@ -52,8 +52,8 @@ def tiny_config_dict(variant: str = "GLM-5.2", **overrides) -> dict:
     cfg = load_preset_dict(variant)
     cfg.update(TINY)
     cfg.update(overrides)
-    cfg["qk_head_dim"] = TINY["qk_nope_head_dim"] + TINY["qk_rope_head_dim"]
-    cfg["head_dim"] = TINY["qk_rope_head_dim"]
+    cfg["qk_head_dim"] = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    cfg["head_dim"] = cfg["qk_rope_head_dim"]
     cfg["eos_token_id"] = 1
     cfg["pad_token_id"] = None
     cfg["dtype"] = "float32"

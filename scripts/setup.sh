@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Create .venv with Python 3.12 and install exactly requirements.lock (no dependency resolution:
-# megatron-bridge's own dependencies would downgrade megatron-core and pull gigabytes), then this
-# package in editable mode. Re-runs are instant while requirements.lock is unchanged.
+# Create or update .venv from uv.lock: `uv sync --frozen` installs exactly the locked versions (the
+# dev group too, for the tests) and this package in editable mode; a re-run with nothing changed
+# takes a second. uv itself (the version below) comes from the registry into .tools/ when the
+# machine has no such uv. Python 3.12 is pyenv's (.python-version); uv never downloads one.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-    python3.12 -m venv .venv
+UV_VERSION=0.13.8
+uv=$(command -v uv || true)
+if [ -z "$uv" ] || [ "$("$uv" --version | cut -d' ' -f2)" != "$UV_VERSION" ]; then
+    if [ ! -x .tools/uv/bin/uv ]; then
+        python3.12 -m pip install -q --disable-pip-version-check --target .tools/uv "uv==$UV_VERSION"
+    fi
+    uv=.tools/uv/bin/uv
 fi
-stamp=".venv/.installed-$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock
-    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
-    rm -f .venv/.installed-*
-    touch "$stamp"
-fi
+UV_PYTHON_DOWNLOADS=never "$uv" sync --frozen --group dev --python python3.12 --quiet

@@ -65,3 +65,17 @@ def test_unknown_preset_and_missing_config(tmp_path):
 def test_preset_json_is_what_load_hf_config_sees(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(load_preset_dict("GLM-5.2")))
     assert indexer_types(load_hf_config(tmp_path)) == indexer_types(load_hf_config("GLM-5.2"))
+
+
+def test_tiny_overrides_reach_the_derived_sizes(tmp_path):
+    """make_tiny_checkpoint(..., **overrides): the derived head sizes follow the overrides (the GPU
+    tests build the kernels' widths this way) and the checkpoint validates."""
+    import json
+
+    from glm5_bridge.model.validate import validate_checkpoint
+    from glm5_bridge.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("GLM-5.2", tmp_path / "k", kv_lora_rank=512, qk_rope_head_dim=64, index_head_dim=128)
+    cfg = json.loads((path / "config.json").read_text())
+    assert (cfg["qk_head_dim"], cfg["head_dim"], cfg["kv_lora_rank"]) == (16 + 64, 64, 512)
+    validate_checkpoint(path)

@@ -1,6 +1,6 @@
 """Megatron (our bridge + spec, unfused backend) against transformers' GlmMoeDsaForCausalLM.
 
-Reference: transformers 5.23.0 (pinned in requirements.lock). Its indexer applies interleaved rope,
+Reference: transformers 5.23.0 (pinned in pyproject.toml / uv.lock). Its indexer applies interleaved rope,
 which is what `indexer_rope_interleave: true` (every published GLM-5 config) asks for; the
 half-split case (transformers 5.12.1's behaviour) is checked in test_indexer_rope_half_split.
 fp32 on CPU: differences are rounding, so the bound is 1e-5 max abs on the logits.

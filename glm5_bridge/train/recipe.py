@@ -46,7 +46,7 @@ class LoraConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "glm5_bridge/train/data/arithmetic.jsonl"  # chat jsonl (SFT) or rollout jsonl (RL)
+    train: str = "arithmetic"  # chat jsonl (SFT) or rollout jsonl (RL); "arithmetic": the embedded chat data
     valid: str = ""  # validation chat jsonl (SFT): its loss every train.eval_every steps
     max_tokens: int = 512  # tokens per packed micro-batch
     limit: int = 0  # use only the first N samples (0 = all)
@@ -111,6 +111,22 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+
+
+SHIPPED = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def find_recipe(name: str | Path) -> Path:
+    """A recipe file: the path itself when it exists, else a shipped recipe of that name
+    (`tiny_lora_sft` or `tiny_lora_sft.yaml`); a one-line error naming both places otherwise."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    for candidate in (SHIPPED / path.name, SHIPPED / f"{path.name}.yaml"):
+        if candidate.is_file() and path.parent == Path("."):
+            return candidate
+    shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.yaml")))
+    raise FileNotFoundError(f"{name}: recipe file not found (and not a shipped recipe: {shipped})")
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | None = None) -> Recipe:

@@ -43,8 +43,12 @@ def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
+EMBEDDED = {"arithmetic": ARITHMETIC}  # datasets shipped in the package, by the name a recipe may give
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
+    """Rows of a jsonl file; `path` may also name an embedded dataset ("arithmetic")."""
+    path = EMBEDDED.get(str(path), Path(path))
     if not path.is_file():
         raise FileNotFoundError(f"{path}: dataset file not found")
     rows = []
