@@ -12,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import glm5_bridge
-from glm5_bridge.cli import USER_ERRORS, quiet_upstream_notices
+from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
 
 
 def main(argv=None) -> int:
@@ -25,16 +24,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tol", type=float, default=1e-5, help="largest accepted difference (default 1e-5)")
     args = parser.parse_args(argv)
 
-    quiet_upstream_notices()
-    glm5_bridge.register()
-    glm5_bridge.enable_cpu_support()
+    start_process()
     from glm5_bridge.parity import logits_parity
 
     try:
         diff = logits_parity(args.checkpoint, seq_len=args.seq_len, batch=args.batch)
     except USER_ERRORS as e:
-        print(f"{parser.prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return one_line_error(parser.prog, e)
     verdict = "OK" if diff <= args.tol else "ABOVE TOLERANCE"
     print(f"max |logits(Megatron) - logits(transformers)| = {diff:.3e}  "
           f"(batch {args.batch}, seq_len {args.seq_len}, tol {args.tol:.0e}): {verdict}")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import glm5_bridge
-from glm5_bridge.cli import USER_ERRORS, quiet_upstream_notices
+from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
 
 
 def main(argv=None) -> int:
@@ -24,16 +23,13 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     args = parser.parse_args(argv)
 
-    quiet_upstream_notices()
-    glm5_bridge.register()
-    glm5_bridge.enable_cpu_support()
+    start_process()
     from glm5_bridge.convert import megatron_to_hf
 
     try:
         out = megatron_to_hf(args.megatron_dir, args.out_dir, overwrite=args.overwrite)
     except USER_ERRORS as e:
-        print(f"{parser.prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return one_line_error(parser.prog, e)
     print(f"HF checkpoint written to {out}")
     return 0
 

@@ -17,8 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import glm5_bridge
-from glm5_bridge.cli import USER_ERRORS, quiet_upstream_notices
+from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -70,9 +69,7 @@ def report(a, b) -> int:
 
 def roundtrip(hf_path: Path, workdir: Path) -> Path:
     """HF → Megatron (workdir/megatron) → HF (workdir/hf); the final HF folder."""
-    quiet_upstream_notices()
-    glm5_bridge.register()
-    glm5_bridge.enable_cpu_support()
+    start_process()
     from glm5_bridge.convert import hf_to_megatron, megatron_to_hf
 
     hf_to_megatron(hf_path, workdir / "megatron")
@@ -98,8 +95,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="glm5-roundtrip-") as tmp:
             return report(args.hf_path, roundtrip(Path(args.hf_path), Path(tmp)))
     except USER_ERRORS as e:
-        print(f"{parser.prog}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return one_line_error(parser.prog, e)
 
 
 if __name__ == "__main__":

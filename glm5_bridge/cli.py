@@ -247,20 +247,30 @@ def quiet_upstream_notices() -> None:
     hf_logging.set_verbosity_error()  # "torch_dtype is deprecated" and load reports
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def start_process() -> None:
+    """What a glm5-bridge process does after parsing its arguments: upstream notices quieted, our
+    bridge registered, the CPU / no-TE workarounds where they apply (the conversion scripts too)."""
     quiet_upstream_notices()
     import glm5_bridge  # after argparse and the filters: --help stays instant and quiet
 
     glm5_bridge.register()
     glm5_bridge.enable_cpu_support()
 
+
+def one_line_error(prog: str, error: Exception) -> int:
+    """A user error as the one stderr line every glm5-bridge command prints; the exit status (2)."""
+    print(f"{prog}: error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start_process()
+
     try:
         return args.fn(args) or 0
     except USER_ERRORS as e:
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"glm5-bridge {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        return one_line_error(f"glm5-bridge {args.command}", e)
 
 
 if __name__ == "__main__":
