@@ -52,14 +52,6 @@ def _train(args):
 
 
 def _run_recipe(recipe, out: Path):
-    import os
-
-    from glm5_bridge.files import atomic_write_text
-    from glm5_bridge.train.recipe import to_yaml
-
-    if int(os.environ.get("RANK", "0")) == 0:  # torchrun's other ranks leave the run folder to rank 0
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "recipe.yaml", to_yaml(recipe))  # what `glm5-bridge export RUN` rebuilds from
     if recipe.task == "sft":
         from glm5_bridge.train.sft import train_sft
 

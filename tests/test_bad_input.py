@@ -389,6 +389,22 @@ def rl_empty_sequence(ctx):
     return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:1: needs at least 2 tokens, has 0", [ctx.tmp / "run"])
 
 
+def rl_nan_logprob(ctx):
+    row = _rollout([5, 6, 7, 8, 9, 10])
+    row["rollout_logprobs"][4] = float("nan")
+    data = _jsonl(ctx.tmp / "rollouts.jsonl", [row])
+    return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:1: rollout_logprobs[4] is nan; log-probs must be "
+                "finite and ≤ 0", [ctx.tmp / "run"])
+
+
+def rl_loss_mask_not_binary(ctx):
+    row = _rollout([5, 6, 7, 8])
+    row["loss_mask"][2] = 2
+    data = _jsonl(ctx.tmp / "rollouts.jsonl", [row])
+    return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:1: loss_mask[2] is 2; it must be 0 or 1",
+                [ctx.tmp / "run"])
+
+
 def replay_payload_wrong_shape(ctx):
     payload = base64.b64encode(torch.arange(7, dtype=torch.int32).numpy().tobytes()).decode()
     row = _rollout([5, 6, 7, 8, 9, 10], meta_info={"indexer_topk": payload, "prompt_tokens": 3, "completion_tokens": 3})
@@ -412,6 +428,45 @@ def replay_payload_kv_coordinates(ctx):
                 "this looks like KV-cache coordinates, not positions. sglang's 0.5.23 release returns KV-cache "
                 "coordinates; R3 needs request-local positions, as the sglang build miles uses returns them "
                 "(sglang PR 26684, see docs/replay.md)", [ctx.tmp / "run"])
+
+
+def recipe_value_out_of_range(ctx):
+    return Case(_sft(ctx.good, ctx.tmp / "run", "lora.dim=0"), "lora.dim must be at least 1, got 0 (key: lora.dim)",
+                [ctx.tmp / "run"])
+
+
+def resume_with_another_lora(ctx):
+    """A run folder trained at one LoRA rank, resumed with another: refused, the run untouched."""
+    run = _copy(ctx.fixture("run"), ctx.tmp / "run")
+    return Case(_sft(ctx.good, run, "train.steps=3", "lora.dim=8"),
+                re.compile(re.escape(f"{run}/checkpoints/step_0000002: trained with another LoRA configuration ") +
+                           r"\(\{'dim': 4, .*\}, this recipe: \{'dim': 8, .*\}\); resume with the run's own recipe, "
+                           r"or start a new train.output_dir"), unchanged=[run / "checkpoints", run / "recipe.yaml"])
+
+
+def run_folder_in_use(ctx):
+    """A second training into a folder another one holds (its lock) is refused before it starts."""
+    import fcntl
+
+    run = _copy(ctx.fixture("run"), ctx.tmp / "run")
+    holder = open(run / ".lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.seek(0)
+    holder.truncate()
+    holder.write("4242\n")
+    holder.flush()
+    ctx.request.addfinalizer(holder.close)
+    return Case(_sft(ctx.good, run, "train.steps=3"),
+                f"{run}: another training is running in this folder (pid 4242)",
+                unchanged=[run / "checkpoints", run / "recipe.yaml"])
+
+
+def nan_in_base_weights(ctx):
+    """NaN in a base weight makes the first loss NaN: the run stops before saving anything."""
+    src = _edit_tensors(ctx.broken(), lambda t: t["model.layers.1.mlp.shared_experts.down_proj.weight"].fill_(float("nan")))
+    return Case(_sft(src, ctx.tmp / "run"), re.compile(r"step 1: loss is nan; stopped before saving anything of "
+                                                      r"this step \(non-finite base weights, data or learning rate\?\)"),
+                [ctx.tmp / "run" / "checkpoints" / "step_0000001"])
 
 
 def export_target_exists(ctx):
@@ -531,7 +586,8 @@ CASES = [wrong_model_type, wrong_architecture, missing_config, config_not_json, 
          integer_tensor, pickle_weights_only, unknown_preset, unknown_source, preset_without_weights,
          recipe_typo_override, recipe_typo_in_file, recipe_wrong_type, recipe_section_not_a_mapping, recipe_not_yaml,
          missing_dataset, dataset_not_json, sft_token_id_beyond_vocab, rl_token_id_beyond_vocab, sft_empty_sample,
-         sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, replay_payload_kv_coordinates, export_target_exists,
+         sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, replay_payload_kv_coordinates,
+         rl_nan_logprob, rl_loss_mask_not_binary, recipe_value_out_of_range, resume_with_another_lora, run_folder_in_use, nan_in_base_weights, export_target_exists,
          export_disk_full,
          checkpoint_save_disk_full, trainer_checkpoint_pickle, megatron_metadata_pickle, megatron_extra_state_pickle,
          megatron_weights_truncated,

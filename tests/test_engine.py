@@ -107,8 +107,11 @@ def test_layout_equals_one_process(layout, tiny_checkpoint, reference, dp2):
         from types import SimpleNamespace
 
         from glm5_bridge.train import checkpoint
+        from glm5_bridge.train.recipe import load_recipe
 
-        any_engine = SimpleNamespace(recipe=SimpleNamespace(train=SimpleNamespace(use_distributed_optimizer=False)))
+        recipe = load_recipe(ROOT / "recipes" / "tiny_lora_sft.yaml", [f"model.checkpoint={tiny_checkpoint('GLM-5.2')}",
+                                                                      *COMMON])
+        any_engine = SimpleNamespace(recipe=recipe)  # the same run, without the distributed optimizer
         with pytest.raises(ValueError, match=r"step_0000002: resuming with train.use_distributed_optimizer is not"):
             checkpoint.load(out / "checkpoints" / "step_0000002", any_engine)
 

@@ -41,6 +41,28 @@ def _layout() -> dict:
             "dp": ps.get_data_parallel_world_size(with_context_parallel=True)}
 
 
+def identity(recipe) -> dict:
+    """What a checkpoint may only be resumed with: the base model (a digest of its config.json and its
+    index, or its safetensors headers: cheap, no tensor data), the LoRA shape and the task."""
+    import hashlib
+
+    from glm5_bridge.model.source import INDEX_NAME, resolve
+
+    source = resolve(recipe.model.checkpoint)
+    digest = hashlib.sha256(json.dumps(source.config, sort_keys=True).encode())
+    if source.folder is not None:
+        index = source.folder / INDEX_NAME
+        files = [index] if index.is_file() else sorted(source.folder.glob("*.safetensors"))
+        for file in files:
+            with open(file, "rb") as f:
+                head = f.read(8)
+                digest.update(head + (f.read(int.from_bytes(head, "little")) if file.suffix == ".safetensors" else f.read()))
+    lo = recipe.lora
+    return {"base": digest.hexdigest()[:16], "task": recipe.task,
+            "lora": {"dim": lo.dim, "alpha": lo.alpha, "mla": lo.mla, "dense_mlp": lo.dense_mlp,
+                     "shared_experts": lo.shared_experts, "experts": lo.experts}}
+
+
 def _rng_object(loading: bool):
     """This rank's RNG states as a ShardedObject (one per global rank)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -74,7 +96,7 @@ def save(folder: Path, step: int, engine, history: list[dict]) -> Path:
         dist_checkpointing.save(state, str(tmp))
         if torch.distributed.get_rank() == 0:
             (tmp / "trainer.json").write_text(json.dumps({
-                "format": FORMAT, "step": step, "layout": _layout(),
+                "format": FORMAT, "step": step, "layout": _layout(), "identity": identity(engine.recipe),
                 "distributed_optimizer": engine.recipe.train.use_distributed_optimizer}))
             (tmp / "history.json").write_text(json.dumps(history))
     if torch.distributed.get_rank() == 0:
@@ -106,6 +128,11 @@ def load(target: Path, engine) -> tuple[int, list[dict]]:
     """Restore the engine from a checkpoint folder; (step, history)."""
     target = Path(target)
     info = json.loads((target / "trainer.json").read_text())
+    saved, now = info.get("identity", {}), identity(engine.recipe)
+    for key, what in (("base", "base model"), ("task", "task"), ("lora", "LoRA configuration")):
+        if key in saved and saved[key] != now[key]:
+            raise ValueError(f"{target}: trained with another {what} ({saved[key]}, this recipe: {now[key]}); "
+                             "resume with the run's own recipe, or start a new train.output_dir")
     if info.get("distributed_optimizer") or engine.recipe.train.use_distributed_optimizer:
         # Measured: megatron-core 0.19's distributed-optimizer loader without apex / TE restores the
         # parameters but not every rank's Adam moments (the next update differs), so it is refused.

@@ -151,7 +151,37 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
         raise ValueError(f"task must be sft or rl, got {recipe.task!r}")
     if recipe.export.kind not in ("merged", "adapter", "none"):
         raise ValueError(f"export.kind must be merged, adapter or none, got {recipe.export.kind!r}")
+    _check_ranges(recipe)
     return recipe
+
+
+# Values the schema's types allow but a run cannot use: (section.key, test, what it must be).
+_RANGES = [
+    ("train.steps", lambda v: v >= 1, "at least 1"), ("train.global_batch_size", lambda v: v >= 1, "at least 1"),
+    ("train.lr", lambda v: v >= 0, "≥ 0"), ("train.min_lr", lambda v: v >= 0, "≥ 0"),
+    ("train.warmup_steps", lambda v: v >= 0, "≥ 0"), ("train.save_every", lambda v: v >= 0, "≥ 0"),
+    ("train.eval_every", lambda v: v >= 0, "≥ 0"), ("train.grad_clip", lambda v: v >= 0, "≥ 0"),
+    ("train.weight_decay", lambda v: v >= 0, "≥ 0"), ("train.gpu_memory_gib", lambda v: v >= 0, "≥ 0"),
+    ("lora.dim", lambda v: v >= 1, "at least 1"), ("lora.alpha", lambda v: v > 0, "> 0"),
+    ("lora.dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("data.max_tokens", lambda v: v >= 2, "at least 2"),
+    ("data.limit", lambda v: v >= 0, "≥ 0 (0 = all)"),
+    ("model.tensor_model_parallel_size", lambda v: v >= 1, "at least 1"),
+    ("model.pipeline_model_parallel_size", lambda v: v >= 1, "at least 1"),
+    ("model.expert_model_parallel_size", lambda v: v >= 1, "at least 1"),
+    ("rl.clip_eps", lambda v: 0 < v < 1, "in (0, 1)"), ("rl.kl_coef", lambda v: v >= 0, "≥ 0"),
+    ("rl.prompts_per_step", lambda v: v >= 1, "at least 1"), ("rl.samples_per_prompt", lambda v: v >= 1, "at least 1"),
+    ("rl.max_new_tokens", lambda v: v >= 1, "at least 1"),
+]
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    import math
+
+    for key, ok, what in _RANGES:
+        section, name = key.split(".")
+        value = getattr(getattr(recipe, section), name)
+        if isinstance(value, float) and not math.isfinite(value) or not ok(value):
+            raise ValueError(f"{key} must be {what}, got {value!r} (key: {key})")
 
 
 def _with_bases(path, schema) -> list:

@@ -21,6 +21,7 @@ numbers R3 replay exists to shrink. Runs, resumes, checkpoints and exports like 
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import ExitStack, contextmanager
 
@@ -54,11 +55,23 @@ class Rollout:
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
         self.loss_mask = [int(m) for m in row["loss_mask"]]
+        bad = next((i for i, m in enumerate(row["loss_mask"]) if m not in (0, 1)), None)
+        if bad is not None:
+            raise ValueError(f"{where}: loss_mask[{bad}] is {row['loss_mask'][bad]!r}; it must be 0 or 1")
         self.rollout_logprobs = [float(x) if x is not None else 0.0 for x in row["rollout_logprobs"]]
+        bad = next((i for i, (x, m) in enumerate(zip(self.rollout_logprobs, self.loss_mask))
+                    if m and not (math.isfinite(x) and x <= 0)), None)
+        if bad is not None:  # only trained positions count: a prompt's entries are ignored
+            raise ValueError(f"{where}: rollout_logprobs[{bad}] is {self.rollout_logprobs[bad]}; log-probs must be "
+                             "finite and ≤ 0")
         self.advantage = row.get("advantage")
         self.reward = row.get("reward")
         if self.advantage is None and self.reward is None:
             raise ValueError(f"{where}: needs 'advantage' or 'reward'")
+        for key in ("advantage", "reward"):
+            value = row.get(key)
+            if value is not None and not math.isfinite(float(value)):
+                raise ValueError(f"{where}: {key} is {value}; it must be finite")
         self.group = row.get("group", "")
         meta = row.get("meta_info") or {}
         self.topk = (RequestTopk.from_sglang(meta, layout, n, sample_id=where)

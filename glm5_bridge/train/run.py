@@ -1,6 +1,9 @@
 """The life of a training run around its steps, the same for the SFT, RL and colocated trainers:
-the output folder (rank 0), resume from the latest checkpoint, the steps with a checkpoint every
-`train.save_every` and at the end, then history.json, the curves and the export the recipe asks for.
+the output folder (rank 0, locked for the run: a second training into it is refused), resume from
+the latest checkpoint (refused when it was trained from another base model, LoRA shape or task), the
+recipe written beside it, the steps — a step whose loss or gradient norm is not finite stops the run
+before anything of it is saved — with a checkpoint every `train.save_every` and at the end, then
+history.json, the curves and the export the recipe asks for.
 
     result = run_steps(recipe, engine, "sft", lambda step: {...one step's record...}, ["loss"], "loss.png")
 """
@@ -24,25 +27,33 @@ def run_steps(recipe: Recipe, engine, title: str, step_fn: Callable[[int], dict]
     `stop_after` ends the run after that many steps of this call (to test resume)."""
     t = recipe.train
     out = Path(t.output_dir)
-    if is_rank0():
-        out.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_abandoned(out / "checkpoints")  # half-written saves of a killed run
-    torch.distributed.barrier()
-    if t.save_every:
-        checkpoint.prepare()
-    start, history = 0, []
-    saved = checkpoint.latest(out / "checkpoints") if t.resume else None
-    if saved is not None:
-        start, history = checkpoint.load(saved, engine)
-    else:
-        torch.manual_seed(t.seed)
-    log = RunLog(recipe, history, t.steps, title)
-    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    with log.running():
-        for step in range(start, end):
-            log.log(step_fn(step))
-            if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps:
-                checkpoint.save(out / "checkpoints", step + 1, engine, log.history)
+    lock = _locked_run_folder(out)
+    try:
+        if t.save_every:
+            checkpoint.prepare()
+        start, history = 0, []
+        saved = checkpoint.latest(out / "checkpoints") if t.resume else None
+        if saved is not None:
+            start, history = checkpoint.load(saved, engine)
+        else:
+            torch.manual_seed(t.seed)
+        if is_rank0():  # what `glm5-bridge export RUN` rebuilds from; only once the run is known to start
+            from glm5_bridge.files import atomic_write_text
+            from glm5_bridge.train.recipe import to_yaml
+
+            atomic_write_text(out / "recipe.yaml", to_yaml(recipe))
+        log = RunLog(recipe, history, t.steps, title)
+        end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+        with log.running():
+            for step in range(start, end):
+                record = step_fn(step)
+                _check_finite(record)
+                log.log(record)
+                if (t.save_every and (step + 1) % t.save_every == 0) or step + 1 == t.steps:
+                    checkpoint.save(out / "checkpoints", step + 1, engine, log.history)
+    finally:
+        if lock is not None:
+            lock.close()
     result = {"history": log.history, "output_dir": str(out), "engine": engine, "model": engine.chunk,
               "bridge": engine.bridge}
     curve = log.close(curves, png)
@@ -51,6 +62,48 @@ def run_steps(recipe: Recipe, engine, title: str, step_fn: Callable[[int], dict]
     if end == t.steps and recipe.export.kind != "none":
         result["export"] = str(export_trained(recipe, engine))
     return result
+
+
+def _locked_run_folder(out: Path):
+    """Rank 0 makes the folder, removes what killed saves left, and takes an exclusive lock on
+    `.lock` for the run (released when the process ends, however it ends); every rank learns
+    whether it got it. Returns the open lock file (rank 0) or None."""
+    import fcntl
+    import os
+
+    handle, problem = None, None
+    if is_rank0():
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            handle = open(out / ".lock", "a+")
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            checkpoint.remove_abandoned(out / "checkpoints")  # half-written saves of a killed run
+        except BlockingIOError:
+            handle.seek(0)
+            problem = f"{out}: another training is running in this folder (pid {handle.read().strip() or '?'})"
+            handle.close()
+            handle = None
+        except OSError as e:
+            problem = f"{out}: {e.strerror or e}"
+    box = [problem]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    return handle
+
+
+def _check_finite(record: dict) -> None:
+    import math
+
+    for key in ("loss", "grad_norm"):
+        value = record.get(key)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"step {record['step']}: {key} is {value}; stopped before saving anything of this "
+                             "step (non-finite base weights, data or learning rate?)")
 
 
 @contextmanager
