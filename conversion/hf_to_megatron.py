@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
+from glm5_bridge.cli import at_least, run_command, start_process
 
 
 def main(argv=None) -> int:
@@ -21,20 +21,21 @@ def main(argv=None) -> int:
                                                  "complete; the source is only read.")
     parser.add_argument("hf_path", help="HF checkpoint folder (config.json + *.safetensors)")
     parser.add_argument("out_dir", help="Megatron checkpoint folder to write (must not exist unless --overwrite)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron side (default 1)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel size of the Megatron side (default 1)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if glm5-bridge wrote it")
+    parser.add_argument("--debug", action="store_true", help="show upstream warnings and tracebacks")
     args = parser.parse_args(argv)
 
-    start_process()
-    from glm5_bridge.convert import hf_to_megatron
+    start_process(args.debug)
 
-    overrides = {"tensor_model_parallel_size": args.tp, "sequence_parallel": True} if args.tp > 1 else {}
-    try:
+    def convert() -> None:
+        from glm5_bridge.convert import hf_to_megatron
+
+        overrides = {"tensor_model_parallel_size": args.tp, "sequence_parallel": True} if args.tp > 1 else {}
         out = hf_to_megatron(args.hf_path, args.out_dir, overwrite=args.overwrite, **overrides)
-    except USER_ERRORS as e:
-        return one_line_error(parser.prog, e)
-    print(f"Megatron distributed checkpoint written to {out}")
-    return 0
+        print(f"Megatron distributed checkpoint written to {out}")
+
+    return run_command(parser.prog, convert, args.debug)
 
 
 if __name__ == "__main__":

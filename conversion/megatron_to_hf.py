@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
+from glm5_bridge.cli import run_command, start_process
 
 
 def main(argv=None) -> int:
@@ -20,18 +20,19 @@ def main(argv=None) -> int:
                                                  "safetensors). OUT_DIR appears only once complete.")
     parser.add_argument("megatron_dir", help="folder holding weights/, hf/ and glm5_bridge.json")
     parser.add_argument("out_dir", help="HF checkpoint folder to write (must not exist unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if glm5-bridge wrote it")
+    parser.add_argument("--debug", action="store_true", help="show upstream warnings and tracebacks")
     args = parser.parse_args(argv)
 
-    start_process()
-    from glm5_bridge.convert import megatron_to_hf
+    start_process(args.debug)
 
-    try:
+    def convert() -> None:
+        from glm5_bridge.convert import megatron_to_hf
+
         out = megatron_to_hf(args.megatron_dir, args.out_dir, overwrite=args.overwrite)
-    except USER_ERRORS as e:
-        return one_line_error(parser.prog, e)
-    print(f"HF checkpoint written to {out}")
-    return 0
+        print(f"HF checkpoint written to {out}")
+
+    return run_command(parser.prog, convert, args.debug)
 
 
 if __name__ == "__main__":

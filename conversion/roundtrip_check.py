@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from glm5_bridge.cli import USER_ERRORS, one_line_error, start_process
+from glm5_bridge.cli import run_command, start_process
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -69,7 +69,6 @@ def report(a, b) -> int:
 
 def roundtrip(hf_path: Path, workdir: Path) -> Path:
     """HF → Megatron (workdir/megatron) → HF (workdir/hf); the final HF folder."""
-    start_process()
     from glm5_bridge.convert import hf_to_megatron, megatron_to_hf
 
     hf_to_megatron(hf_path, workdir / "megatron")
@@ -83,19 +82,21 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", help="write the Megatron and HF outputs here (must not hold megatron/ or hf/) "
                                           "and keep them; default: a temporary folder removed at the end")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="only compare two HF checkpoint folders")
+    parser.add_argument("--debug", action="store_true", help="show upstream warnings and tracebacks")
     args = parser.parse_args(argv)
     if (args.hf_path is None) == (args.compare is None):
         parser.error("give either HF_DIR or --compare A B")
+    start_process(args.debug)
 
-    try:
+    def check() -> int:
         if args.compare:
             return report(*args.compare)
         if args.workdir:
             return report(args.hf_path, roundtrip(Path(args.hf_path), Path(args.workdir)))
         with tempfile.TemporaryDirectory(prefix="glm5-roundtrip-") as tmp:
             return report(args.hf_path, roundtrip(Path(args.hf_path), Path(tmp)))
-    except USER_ERRORS as e:
-        return one_line_error(parser.prog, e)
+
+    return run_command(parser.prog, check, args.debug)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def _parity(args):
 def _make_tiny(args):
     from glm5_bridge.tiny import make_tiny_checkpoint
 
-    print(make_tiny_checkpoint(args.variant, args.dst, seed=args.seed))
+    print(make_tiny_checkpoint(args.variant, args.dst, seed=args.seed, overwrite=args.overwrite))
 
 
 def _train(args):
@@ -71,20 +71,23 @@ def _run_recipe(recipe, out: Path):
 def _export(args):
     from glm5_bridge.train import checkpoint
     from glm5_bridge.train.engine import Engine
+    from glm5_bridge.files import check_output
     from glm5_bridge.train.export import export_adapter, export_merged
     from glm5_bridge.train.recipe import load_recipe
 
     run = Path(args.run)
-    if Path(args.dst).exists() and not args.overwrite:  # before the (long) model build
-        raise FileExistsError(f"{args.dst}: already exists (pass --overwrite to replace it)")
+    check_output(args.dst, [run], args.overwrite)  # before the (long) model build
     recipe = load_recipe(run / "recipe.yaml")
+    check_output(args.dst, [run, recipe.model.checkpoint], args.overwrite)
     saved = checkpoint.latest(run / "checkpoints")
     if saved is None:
         raise FileNotFoundError(f"{run}/checkpoints: no checkpoint to export")
     engine = Engine(recipe)
-    checkpoint.load(saved, engine)
+    _, history = checkpoint.load(saved, engine)
     write = export_adapter if args.kind == "adapter" else export_merged
-    print(f"{args.kind} export written to {write(engine.bridge, engine.chunk, args.dst, overwrite=args.overwrite, show_progress=True)}")
+    out = write(engine.bridge, engine.chunk, args.dst, overwrite=args.overwrite, show_progress=True, reads=[run],
+                recipe=recipe, history=history)
+    print(f"{args.kind} export written to {out}")
 
 
 def _plan(args):
@@ -115,6 +118,30 @@ def _demo(args):
     return run(args.workdir, sft_steps=args.sft_steps)
 
 
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` >= `low` (argparse then reports a bad value in one line)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not value >= low:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage block before its error: one stderr line like every other error
+    (`--help` still shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     """Every flag's default in --help, except where there is none to show."""
 
@@ -127,8 +154,10 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     from glm5_bridge import __version__
 
-    parser = argparse.ArgumentParser(prog="glm5-bridge", description="GLM-5 / 5.1 / 5.2 with Megatron.")
+    parser = _OneLineParser(prog="glm5-bridge", description="GLM-5 / 5.1 / 5.2 with Megatron.")
     parser.add_argument("--version", action="version", version=f"glm5-bridge {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show upstream warnings and logs, and a traceback instead of the one-line error")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_DefaultsShown)
 
@@ -138,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "The source is only read; DST appears only once complete.")
     p.add_argument("src", help="HF checkpoint folder, or a Megatron checkpoint written by this command")
     p.add_argument("dst", help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron side")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--tp", type=at_least(1), default=1, help="tensor-parallel size of the Megatron side")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if glm5-bridge wrote it")
     p.set_defaults(fn=_convert)
 
     p = sub.add_parser("parity", help="compare Megatron logits with transformers on a checkpoint",
@@ -147,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tokens through both in fp32 and print the max abs logit difference. Exit 1 if "
                                    "it is above --tol.")
     p.add_argument("checkpoint", help="HF checkpoint folder")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=2, help="sequences")
-    p.add_argument("--tol", type=float, default=1e-5, help="largest acceptable max |logit difference|")
+    p.add_argument("--seq-len", type=at_least(1), default=64, help="tokens per sequence")
+    p.add_argument("--batch", type=at_least(1), default=2, help="sequences")
+    p.add_argument("--tol", type=at_least(0.0, float), default=1e-5, help="largest acceptable max |logit difference|")
     p.set_defaults(fn=_parity)
 
     p = sub.add_parser("train", help="run a YAML recipe (LoRA SFT or LoRA RL)",
@@ -174,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "adapter: HF PEFT adapter (adapter_config.json + safetensors)")
     kind.add_argument("--merge", dest="kind", action="store_const", const="merged", help="same as --kind merged")
     kind.add_argument("--adapter", dest="kind", action="store_const", const="adapter", help="same as --kind adapter")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if glm5-bridge wrote it")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("plan", help="parameters and per-GPU memory of a GLM-5.x model for a parallel layout",
@@ -185,28 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help='"GLM-5", "GLM-5.1", "GLM-5.2" or a checkpoint folder')
     for flag, default, what in (("--tp", 8, "tensor"), ("--pp", 1, "pipeline"), ("--ep", 8, "expert"),
                                 ("--cp", 1, "context")):
-        p.add_argument(flag, type=int, default=default, help=f"{what}-parallel size")
-    p.add_argument("--seq-len", type=int, default=16384, help="tokens per micro-batch")
-    p.add_argument("--lora-dim", type=int, default=64, help="LoRA rank")
+        p.add_argument(flag, type=at_least(1), default=default, help=f"{what}-parallel size")
+    p.add_argument("--seq-len", type=at_least(1), default=16384, help="tokens per micro-batch")
+    p.add_argument("--lora-dim", type=at_least(0), default=64, help="LoRA rank")
     p.add_argument("--stages", help="decoder layers per PP stage, comma separated (default: even split)")
     p.add_argument("--gpu", choices=["H100", "H200", "A100", "B200"],
                    help="give a fits / does-not-fit verdict for this GPU (exit status 1 when it does not fit)")
-    p.add_argument("--gpu-memory-gib", type=float, default=0.0, help="the same for a GPU of this much memory")
+    p.add_argument("--gpu-memory-gib", type=at_least(0.0, float), default=0.0, help="the same for a GPU of this much memory")
     p.set_defaults(fn=_plan)
 
     p = sub.add_parser("make-tiny", help="write a tiny random GLM-5.x HF checkpoint (for tests and demos)")
     p.add_argument("variant", choices=["GLM-5", "GLM-5.1", "GLM-5.2"], help="whose config (and IndexShare) to copy")
-    p.add_argument("dst", help="output folder")
-    p.add_argument("--seed", type=int, default=0, help="random weights' seed")
+    p.add_argument("dst", help="output folder (new or empty unless --overwrite)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="random weights' seed")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if glm5-bridge wrote it")
     p.set_defaults(fn=_make_tiny)
 
     p = sub.add_parser("demo", help="the main job on the embedded default (tiny GLM-5.2), end to end",
                        description="Make a tiny GLM-5.2, convert it to Megatron and back (checked against "
-                                   "transformers), LoRA-SFT it on the embedded arithmetic data, export the merged HF "
-                                   "checkpoint, reload it in transformers and answer a few prompts. Everything is "
+                                   "transformers), LoRA-SFT it on an embedded task (more 0s or 1s?), export the merged "
+                                   "HF checkpoint, reload it in transformers and answer 60 held-out questions (exact "
+                                   "match before → after training). Everything is "
                                    "written under WORKDIR (summary.json, sft/loss.png).")
     p.add_argument("--workdir", default="runs/demo", help="where everything is written")
-    p.add_argument("--sft-steps", type=int, default=None, help="override the recipe's train.steps")
+    p.add_argument("--sft-steps", type=at_least(1), default=None, help="override the recipe's train.steps")
     p.set_defaults(fn=_demo)
     return parser
 
@@ -216,53 +247,84 @@ def build_parser() -> argparse.ArgumentParser:
 USER_ERRORS = (ValueError, OSError, NotImplementedError)
 
 
-def quiet_upstream_notices() -> None:
-    """Import-time notices from megatron about optional packages we deliberately run without (TE,
-    apex, absl, modelopt's transformers pin), for this process only: the CLI's, never at
-    `import glm5_bridge`. Real warnings still show."""
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"glm5-bridge: warning: {message}\n"
+
+
+def quiet_upstream_notices(debug: bool = False) -> None:
+    """For this process only (the CLI's and the conversion scripts', never at `import glm5_bridge`):
+    stderr carries glm5-bridge's own lines. Warnings raised by upstream code (TE / apex absent,
+    deprecations, "No CUDA runtime", checkpoint API notices) and upstream log records are hidden;
+    our own warnings still show. With `debug` everything shows, as it would without the CLI."""
     import logging
     import warnings
 
-    for pattern in ("Transformer Engine and Apex", "Apex is not installed", "absl.logging", "transformer-engine>=",
-                    "is not tested with current version of modelopt", "`torch.jit.script` is deprecated",
-                    "ModelProviderMixin-based model configuration is deprecated", "No CUDA runtime is found"):
-        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
-    for logger in ("megatron.bridge.utils.import_utils", "megatron.bridge.models.gemma.gemma2_provider",
-                   "megatron.core.distributed.param_and_grad_buffer", "megatron.core.distributed.distributed_data_parallel",
-                   "megatron.bridge.peft.lora", "megatron.core.optimizer"):
-        logging.getLogger(logger).addFilter(lambda record: record.levelno >= logging.WARNING)
-    for logger, notice in (("megatron.core.models.gpt.gpt_model", "IS DEPRECATED"),
-                           ("megatron.core.dist_checkpointing.strategies.torch", "async save is deprecated")):
-        logging.getLogger(logger).addFilter(lambda record, notice=notice: notice not in record.getMessage())
+    if debug:
+        return
+    warnings.simplefilter("ignore")
+    warnings.filterwarnings("default", module=r"glm5_bridge(\.|$)")
+    warnings.formatwarning = _one_line_warning
+    # upstream deprecations that surface through our frames (stacklevel): theirs to act on, not the user's
+    warnings.filterwarnings("ignore", message=".*ModelProviderMixin-based model configuration is deprecated")
+    # Log records of every library (their loggers set their own levels, so a parent's level is not
+    # enough): failures still raise, and the error line names them. glm5-bridge reports by print.
+    logging.disable(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # "torch_dtype is deprecated" and load reports
+    hf_logging.disable_progress_bar()
 
 
-def start_process() -> None:
+def start_process(debug: bool = False) -> None:
     """What a glm5-bridge process does after parsing its arguments: upstream notices quieted, our
     bridge registered, the CPU / no-TE workarounds where they apply (the conversion scripts too)."""
-    quiet_upstream_notices()
+    quiet_upstream_notices(debug)
     import glm5_bridge  # after argparse and the filters: --help stays instant and quiet
 
     glm5_bridge.register()
     glm5_bridge.enable_cpu_support()
 
 
-def one_line_error(prog: str, error: Exception) -> int:
+def one_line_error(prog: str, error: BaseException) -> int:
     """A user error as the one stderr line every glm5-bridge command prints; the exit status (2)."""
-    print(f"{prog}: error: {str(error).splitlines()[0] if str(error) else type(error).__name__}", file=sys.stderr)
+    print(f"{prog}: error: {_first_line(error)}", file=sys.stderr)
     return 2
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def run_command(prog: str, fn, debug: bool) -> int:
+    """`fn()` with every way out turned into an exit status and at most one stderr line: a user error
+    (ValueError, OSError, ...: bad input named by file / key / shape) exits 2; anything else is a
+    defect of ours or upstream's, exits 1 and names its type (`--debug` shows the traceback); Ctrl-C
+    exits 130. Writes are atomic, so none of these leaves a partial output."""
+    try:
+        return fn() or 0
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except USER_ERRORS as e:
+        if debug:
+            raise
+        return one_line_error(prog, e)
+    except SystemExit:
+        raise
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if debug:
+            raise
+        print(f"{prog}: internal error: {type(e).__name__}: {_first_line(e)} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    start_process()
-
-    try:
-        return args.fn(args) or 0
-    except USER_ERRORS as e:
-        return one_line_error(f"glm5-bridge {args.command}", e)
+    start_process(args.debug)
+    return run_command(f"glm5-bridge {args.command}", lambda: args.fn(args), args.debug)
 
 
 if __name__ == "__main__":

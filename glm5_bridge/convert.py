@@ -16,7 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
-from glm5_bridge.files import UnsafeCheckpointError, atomic_output_dir, no_arbitrary_unpickling
+from glm5_bridge.files import UnsafeCheckpointError, atomic_output_dir, check_output, no_arbitrary_unpickling
 
 HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "chat_template.jinja")
@@ -26,18 +26,20 @@ MARKER = "glm5_bridge.json"
 def hf_to_megatron(hf_path: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False,
                    **provider_overrides) -> Path:
     """Convert an HF GLM-5.x checkpoint into a Megatron distributed checkpoint at `out_dir`."""
+    import torch
     from megatron.core import dist_checkpointing
 
     from glm5_bridge.model.bridge import build_megatron_model
+    from glm5_bridge.progress import folder_progress
 
     hf_path = Path(hf_path)
-    if Path(out_dir).exists() and not overwrite:  # before the (long) load, not after
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True / --overwrite to replace it)")
+    check_output(out_dir, [hf_path], overwrite)  # before the (long) load, not after
     _, model = build_megatron_model(hf_path, **provider_overrides)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, reads=[hf_path]) as tmp:
         (tmp / "weights").mkdir()
-        print(f"saving Megatron distributed checkpoint → {out_dir}/weights")
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "weights"))
+        size = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+        with folder_progress(tmp / "weights", size, f"saving Megatron checkpoint → {out_dir}/weights"):
+            dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "weights"))
         (tmp / "hf").mkdir()
         for name in HF_SIDE_FILES:
             if (hf_path / name).is_file():
@@ -78,10 +80,9 @@ def load_megatron_checkpoint(megatron_dir: str | os.PathLike, **provider_overrid
 
 def megatron_to_hf(megatron_dir: str | os.PathLike, out_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """Convert a checkpoint written by `hf_to_megatron` back into an HF checkpoint at `out_dir`."""
-    if Path(out_dir).exists() and not overwrite:
-        raise FileExistsError(f"{out_dir}: already exists (pass overwrite=True / --overwrite to replace it)")
+    check_output(out_dir, [megatron_dir], overwrite)
     bridge, model = load_megatron_checkpoint(megatron_dir)
-    with atomic_output_dir(out_dir, overwrite) as tmp:
+    with atomic_output_dir(out_dir, overwrite, reads=[megatron_dir]) as tmp:
         bridge.save_hf_pretrained([model], tmp)
         for name in HF_SIDE_FILES:  # tokenizer files travel with the Megatron checkpoint
             src = Path(megatron_dir) / "hf" / name

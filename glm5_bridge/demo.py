@@ -3,9 +3,11 @@
   1. make a tiny random GLM-5.2 (IndexShare, MTP) HF checkpoint;
   2. convert it to a Megatron distributed checkpoint and back, check every tensor and the logits
      against transformers;
-  3. LoRA SFT on the embedded arithmetic data (recipes/tiny_lora_sft.yaml), loss curve PNG;
+  3. LoRA SFT (recipes/tiny_lora_sft.yaml) on the embedded majority task ("More 0s or 1s in
+     110111011101111?" → "1"), loss curve PNG;
   4. export the merged HF checkpoint, reload it in transformers, check it gives the trained
-     Megatron model's logits, and answer a few prompts.
+     Megatron model's logits, and answer 60 held-out questions (none in the training data): exact
+     match before training (the base model) and after (the merged export).
 
 Everything lands under WORKDIR; `summary.json` holds the numbers.
 """
@@ -18,6 +20,15 @@ from pathlib import Path
 import torch
 
 RECIPE = Path(__file__).resolve().parent / "recipes" / "tiny_lora_sft.yaml"
+
+
+HELD_OUT = 60
+LEARNED = 0.8  # held-out exact match the trained model must reach (measured: 0.93-1.0 after 60 steps)
+UNTRAINED = 0.1  # ... and the base model may not (measured: 0)
+
+
+def _exact_match(answers: list[dict]) -> float:
+    return sum(a["answer"].strip() == a["expected"] for a in answers) / len(answers)
 
 
 def _answers(hf_model, tokenizer, problems) -> list[dict]:
@@ -39,11 +50,11 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     from transformers import AutoTokenizer
 
     from glm5_bridge.convert import hf_to_megatron, load_megatron_checkpoint, megatron_to_hf
-    from glm5_bridge.train.data import arithmetic_problems
+    from glm5_bridge.train.data import MAJORITY, majority_problems, read_jsonl
     from glm5_bridge.hf import load_hf
     from glm5_bridge.parity import megatron_logits
     from glm5_bridge.tiny import make_tiny_checkpoint
-    from glm5_bridge.train.recipe import load_recipe, to_yaml
+    from glm5_bridge.train.recipe import load_recipe
     from glm5_bridge.train.sft import train_sft
 
     work = Path(workdir)
@@ -52,7 +63,7 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     summary: dict = {}
 
     print(f"[1/4] tiny GLM-5.2 (IndexShare + MTP) → {hf_dir}")
-    make_tiny_checkpoint("GLM-5.2", hf_dir, seed=0)
+    make_tiny_checkpoint("GLM-5.2", hf_dir, seed=0, overwrite=True)
 
     print(f"[2/4] HF → Megatron ({mcore_dir}) → HF ({back_dir}), parity with transformers")
     hf_to_megatron(hf_dir, mcore_dir, overwrite=True)
@@ -67,13 +78,17 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     same = set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
     summary["convert_tensors_bit_identical"] = f"{sum(torch.equal(src[k], out[k]) for k in src if k in out)}/{len(src)}"
 
-    print(f"[3/4] LoRA SFT ({RECIPE.name}) on the embedded arithmetic data")
-    overrides = [f"model.checkpoint={hf_dir}", f"train.output_dir={work / 'sft'}", "train.resume=false"]
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    trained_on = frozenset(row["messages"][0]["content"] for row in read_jsonl(MAJORITY))
+    held_out = majority_problems(HELD_OUT, seed=1, exclude=trained_on)
+    summary["heldout_exact_match_before"] = _exact_match(_answers(hf, tokenizer, held_out))
+
+    print(f"[3/4] LoRA SFT ({RECIPE.name}) on the embedded majority task")
+    overrides = [f"model.checkpoint={hf_dir}", f"train.output_dir={work / 'sft'}", "train.resume=false",
+                 "data.train=majority"]
     if sft_steps is not None:
         overrides.append(f"train.steps={sft_steps}")
     recipe = load_recipe(RECIPE, overrides)
-    (work / "sft").mkdir(parents=True, exist_ok=True)
-    (work / "sft" / "recipe.yaml").write_text(to_yaml(recipe))
     result = train_sft(recipe)
     losses = [h["loss"] for h in result["history"]]
     k = max(1, len(losses) // 10)
@@ -87,8 +102,11 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
         ours = megatron_logits(trained, ids)
         summary["export_logits_max_abs_diff"] = (ours - merged(input_ids=ids).logits).abs().max().item()
         summary["logits_max_abs"] = ours.abs().max().item()
-    tokenizer = AutoTokenizer.from_pretrained(result["export"])
-    summary["answers"] = _answers(merged, tokenizer, arithmetic_problems(5, seed=12345))
+    answers = _answers(merged, tokenizer, held_out)
+    summary["heldout_exact_match_after"] = _exact_match(answers)
+    summary["answers"] = answers[:5]
+    print(f"held-out exact match: {summary['heldout_exact_match_before']:.0%} before training → "
+          f"{summary['heldout_exact_match_after']:.0%} after ({HELD_OUT} questions not in the training data)")
 
     (work / "summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
@@ -99,6 +117,8 @@ def run(workdir: str = "runs/demo", sft_steps: int | None = None) -> int:
     export_tol = 5e-5
     ok = (summary["convert_logits_max_abs_diff"] <= 1e-5 and same
           and summary["export_logits_max_abs_diff"] <= export_tol
-          and summary["sft_loss_last"] < summary["sft_loss_first"])
-    print("DEMO OK: conversion exact, loss fell, export matches" if ok else "DEMO FAILED")
+          and summary["sft_loss_last"] < summary["sft_loss_first"]
+          and summary["heldout_exact_match_before"] <= UNTRAINED and summary["heldout_exact_match_after"] >= LEARNED)
+    print("DEMO OK: conversion exact, the model learned the task (held-out), export matches" if ok
+          else "DEMO FAILED")
     return 0 if ok else 1

@@ -147,12 +147,22 @@ def make_tiny_tokenizer(path: str | os.PathLike):
     return fast
 
 
-def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """Write a tiny random fp32 HF checkpoint of `variant` (with one MTP layer) to `path`."""
+def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0, overwrite: bool = False,
+                         **overrides) -> Path:
+    """Write a tiny random fp32 HF checkpoint of `variant` (with one MTP layer) to `path` (an empty
+    or new folder, or with `overwrite` one this project wrote: files.check_output)."""
+    from glm5_bridge.files import atomic_output_dir, check_output
+
+    check_output(path, overwrite=overwrite)
+    model, mtp = make_tiny_model(variant, seed, **overrides)
+    with atomic_output_dir(path, overwrite, collective=False) as tmp:
+        _write_tiny_checkpoint(variant, model, mtp, tmp, **overrides)
+    return Path(path)
+
+
+def _write_tiny_checkpoint(variant: str, model, mtp: dict, path: Path, **overrides) -> None:
     from safetensors.torch import load_file, save_file
 
-    path = Path(path)
-    model, mtp = make_tiny_model(variant, seed, **overrides)
     model.save_pretrained(path, safe_serialization=True)
     # Append the MTP layer to the (single) shard and keep the real config's MTP fields.
     shard = path / "model.safetensors"
@@ -166,4 +176,3 @@ def make_tiny_checkpoint(variant: str, path: str | os.PathLike, seed: int = 0, *
             cfg[key] = tiny_config_dict(variant, **overrides)[key]
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     make_tiny_tokenizer(path)
-    return path

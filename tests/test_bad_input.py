@@ -7,9 +7,10 @@ unchanged) and no `.*.tmp-*` / `.*.old-*` folder beside it. When all cases pass,
 names go to tests/checked.json, from which the README's "What is checked" block is generated.
 
 The rest of the file: the validator accepts every valid checkpoint (all tiny variants, a sharded
-one, our own merged export; the presets' tensor count matches plan.py), a real process exits 2 with
-the same line, the source checkpoint is only read by convert + train + export, and no pickle is
-loaded with arbitrary globals anywhere on those paths.
+one, our own merged export; the presets' tensor count matches plan.py), one case of each class run
+as a real process prints that one line and nothing else, a real full disk (tmpfs) is reported in
+one line with nothing left on it, the source checkpoint is only read by convert + train + export,
+and no pickle is loaded with arbitrary globals anywhere on those paths.
 """
 
 from __future__ import annotations
@@ -378,6 +379,15 @@ def sft_empty_sample(ctx):
                 f"{data}: line 2: sample has no assistant turn to learn from", [ctx.tmp / "run"])
 
 
+def sft_line_too_long(ctx):
+    """A 4 MB chat line is refused by its length before tokenizing (which would take minutes)."""
+    data = _jsonl(ctx.tmp / "data.jsonl", [_chat("What is 2 plus 2?"), _chat("7 " * 2_000_000)])
+    return Case(_sft(ctx.good, ctx.tmp / "run", f"data.train={data}"),
+                re.compile(re.escape(f"{data}: line 2 has 4000001 characters, more than data.max_tokens=128 tokens can "
+                                     "hold (at most ") + r"\d+" + re.escape(" characters a token, the tokenizer's longest)")),
+                [ctx.tmp / "run"])
+
+
 def sft_empty_file(ctx):
     data = ctx.tmp / "data.jsonl"
     data.write_text("\n\n")
@@ -395,6 +405,19 @@ def rl_nan_logprob(ctx):
     data = _jsonl(ctx.tmp / "rollouts.jsonl", [row])
     return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:1: rollout_logprobs[4] is nan; log-probs must be "
                 "finite and ≤ 0", [ctx.tmp / "run"])
+
+
+def rl_reward_a_string(ctx):
+    data = _jsonl(ctx.tmp / "rollouts.jsonl", [_rollout([5, 6, 7, 8]), _rollout([5, 6, 7, 8], reward="high")])
+    return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:2: reward is 'high', not a number", [ctx.tmp / "run"])
+
+
+def rl_tokens_a_string(ctx):
+    row = _rollout([5, 6, 7, 8])
+    row["tokens"] = "5 6 7 8"
+    data = _jsonl(ctx.tmp / "rollouts.jsonl", [row])
+    return Case(_rl(ctx.good, ctx.tmp / "run", data), f"{data}:1: tokens must be a list of numbers, got str",
+                [ctx.tmp / "run"])
 
 
 def rl_loss_mask_not_binary(ctx):
@@ -444,6 +467,24 @@ def resume_with_another_lora(ctx):
                            r"or start a new train.output_dir"), unchanged=[run / "checkpoints", run / "recipe.yaml"])
 
 
+def resume_with_another_base(ctx):
+    """A resume from another base checkpoint (its config differs) is refused; the run is untouched."""
+    run = _copy(ctx.fixture("run"), ctx.tmp / "run")
+    other = _edit_config(ctx.broken("other"), routed_scaling_factor=3.5)
+    return Case(_sft(other, run, "train.steps=3"),
+                re.compile(re.escape(f"{run}/checkpoints/step_0000002: trained with another base model (") +
+                           r"[0-9a-f]{16}, this recipe: [0-9a-f]{16}\); resume with the run's own recipe, or start a "
+                           r"new train\.output_dir"), unchanged=[run / "checkpoints", run / "recipe.yaml"])
+
+
+def sft_without_tokenizer(ctx):
+    src = ctx.broken()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).unlink()
+    return Case(_sft(src, ctx.tmp / "run"), f"{src}: no tokenizer (tokenizer.json / tokenizer_config.json); training "
+                "tokenizes with the checkpoint's own tokenizer", [ctx.tmp / "run"])
+
+
 def run_folder_in_use(ctx):
     """A second training into a folder another one holds (its lock) is refused before it starts."""
     import fcntl
@@ -462,11 +503,30 @@ def run_folder_in_use(ctx):
 
 
 def nan_in_base_weights(ctx):
-    """NaN in a base weight makes the first loss NaN: the run stops before saving anything."""
+    """NaN in a base weight is refused when the weights are loaded, before any step."""
     src = _edit_tensors(ctx.broken(), lambda t: t["model.layers.1.mlp.shared_experts.down_proj.weight"].fill_(float("nan")))
-    return Case(_sft(src, ctx.tmp / "run"), re.compile(r"step 1: loss is nan; stopped before saving anything of "
-                                                      r"this step \(non-finite base weights, data or learning rate\?\)"),
-                [ctx.tmp / "run" / "checkpoints" / "step_0000001"])
+    return Case(_sft(src, ctx.tmp / "run"), re.compile(re.escape(f"{src}: non-finite weights: ") + r"\d+ NaN/Inf value\(s\) in "
+                r"decoder\.layers\.1\.mlp\.shared_experts\.linear_fc2\.weight \(Megatron name; 1 tensor\(s\) in all\); "
+                r"the checkpoint is corrupt"), [ctx.tmp / "run" / "checkpoints"])
+
+
+def inf_in_base_weights_convert(ctx):
+    """Inf in a base weight: convert refuses too, and writes nothing."""
+    def poison(t):
+        t["model.layers.0.self_attn.q_a_proj.weight"][0, :3] = float("inf")
+    src = _edit_tensors(ctx.broken(), poison)
+    return Case(["convert", str(src), str(ctx.tmp / "out")],
+                f"{src}: non-finite weights: 3 NaN/Inf value(s) in decoder.layers.0.self_attention.linear_q_down_proj"
+                ".weight (Megatron name; 1 tensor(s) in all); the checkpoint is corrupt", [ctx.tmp / "out"])
+
+
+def diverging_learning_rate(ctx):
+    """A learning rate that blows the adapters up after step 1: step 2's gradients are NaN, and the
+    run stops before step 2's checkpoint."""
+    run = ctx.tmp / "run"
+    return Case(_sft(ctx.good, run, "train.lr=1e30", "train.warmup_steps=0", "train.save_every=1", "train.steps=3"),
+                "step 2: grad_norm is nan; stopped before saving anything of this step (non-finite base weights, "
+                "data or learning rate?)", [run / "checkpoints" / "step_0000002"])
 
 
 def export_target_exists(ctx):
@@ -474,7 +534,11 @@ def export_target_exists(ctx):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     return Case(["export", str(ctx.fixture("run")), str(dst), "--merge"],
-                f"{dst}: already exists (pass --overwrite to replace it)", unchanged=[dst])
+                f"{dst}: already exists (pass --overwrite / overwrite=True to replace it)", unchanged=[dst])
+
+
+def _disk_full(target: Path) -> re.Pattern:
+    return re.compile(re.escape(f"{target}: no space left on device (") + r"[0-9.]+ MiB free on /\S*\); nothing was written")
 
 
 def export_disk_full(ctx):
@@ -488,9 +552,7 @@ def export_disk_full(ctx):
 
     run, dst = ctx.fixture("run"), ctx.tmp / "merged"
     ctx.monkeypatch.setattr(safetensors.torch, "save_file", full)
-    return Case(["export", str(run), str(dst), "--merge"],
-                re.compile(re.escape(f"[Errno 28] No space left on device: '{ctx.tmp}/.merged.tmp-")
-                           + rf"{os.getpid()}-[0-9a-f]{{8}}/model\.safetensors'"), [dst])
+    return Case(["export", str(run), str(dst), "--merge"], _disk_full(dst), [dst])
 
 
 def checkpoint_save_disk_full(ctx):
@@ -506,8 +568,8 @@ def checkpoint_save_disk_full(ctx):
 
     ctx.monkeypatch.setattr(dist_checkpointing, "save", full)
     argv = _sft(ctx.good, run, "train.steps=3", "train.save_every=1")
-    return Case(argv, f"[Errno 28] No space left on device: '{run}/checkpoints/.step_0000003.tmp-{os.getpid()}/"
-                "__0_0.distcp'", [run / "checkpoints" / "step_0000003"], unchanged=[run / "checkpoints"])
+    return Case(argv, _disk_full(run / "checkpoints" / "step_0000003"), [run / "checkpoints" / "step_0000003"],
+                unchanged=[run / "checkpoints"])
 
 
 def trainer_checkpoint_pickle(ctx):
@@ -577,7 +639,129 @@ def convert_target_exists(ctx):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     return Case(["convert", str(ctx.good), str(dst)],
-                f"{dst}: already exists (pass overwrite=True / --overwrite to replace it)", unchanged=[dst])
+                f"{dst}: already exists (pass --overwrite / overwrite=True to replace it)", unchanged=[dst])
+
+
+# Outputs that overlap inputs, or folders that are not ours (files.check_output).
+
+def _reads(target: Path, how: str, source: Path) -> str:
+    return f"{target}: {how} {source.resolve()}, which this command reads; choose another output folder"
+
+
+def _not_ours(target: Path) -> str:
+    return (f"{target}: not written by glm5-bridge (no .glm5-bridge-output), so it is neither replaced nor written "
+            "into; remove it yourself or choose another folder")
+
+
+def convert_onto_its_source(ctx):
+    src = ctx.broken()
+    return Case(["convert", str(src), str(src), "--overwrite"], _reads(src, "is", src), unchanged=[src])
+
+
+def convert_over_the_folder_holding_its_source(ctx):
+    src = ctx.broken()
+    (ctx.tmp / "notes.txt").write_text("a sibling of the source")
+    return Case(["convert", str(src), str(ctx.tmp), "--overwrite"], _reads(ctx.tmp, "contains", src),
+                unchanged=[ctx.tmp])
+
+
+def convert_into_its_source(ctx):
+    src = ctx.broken()
+    return Case(["convert", str(src), str(src / "mcore")], _reads(src / "mcore", "lies inside", src),
+                absent=[src / "mcore"], unchanged=[src])
+
+
+def convert_overwrite_of_a_foreign_folder(ctx):
+    dst = ctx.tmp / "photos"
+    dst.mkdir()
+    (dst / "holiday.jpg").write_bytes(b"not ours")
+    return Case(["convert", str(ctx.good), str(dst), "--overwrite"], _not_ours(dst), unchanged=[dst])
+
+
+def export_onto_its_run(ctx):
+    run = ctx.fixture("run")
+    return Case(["export", str(run), str(run), "--merge", "--overwrite"], _reads(run, "is", run), unchanged=[run])
+
+
+def export_overwrite_of_a_run_folder(ctx):
+    run = ctx.fixture("run")
+    other = ctx.tmp / "other_run"
+    assert main(_sft(ctx.good, other, "train.steps=1")) == 0
+    return Case(["export", str(run), str(other), "--merge", "--overwrite"],
+                f"{other}: a glm5-bridge training run folder, not checkpoint or export folder; choose another folder",
+                unchanged=[other, run])
+
+
+def export_into_base_checkpoint(ctx):
+    run = ctx.fixture("run")
+    return Case(["export", str(run), str(ctx.good / "merged"), "--merge"],
+                _reads(ctx.good / "merged", "lies inside", ctx.good), absent=[ctx.good / "merged"], unchanged=[run])
+
+
+def train_export_dir_is_the_run(ctx):
+    out = ctx.tmp / "run"
+    argv = [a for a in _sft(ctx.good, out) if a != "export.kind=none"] + ["export.kind=merged", f"export.dir={out}"]
+    return Case(argv, f"export.dir {out}: is the run folder {out}; choose another export folder", absent=[out])
+
+
+def train_export_dir_foreign(ctx):
+    dst = ctx.tmp / "results"
+    dst.mkdir()
+    (dst / "paper.tex").write_text("not ours")
+    argv = [a for a in _sft(ctx.good, ctx.tmp / "run") if a != "export.kind=none"] + ["export.kind=merged",
+                                                                                       f"export.dir={dst}"]
+    return Case(argv, _not_ours(dst), absent=[ctx.tmp / "run"], unchanged=[dst])
+
+
+def train_output_dir_foreign(ctx):
+    out = ctx.tmp / "work"
+    out.mkdir()
+    (out / "recipe.yaml").write_text("someone else's file\n")
+    return Case(_sft(ctx.good, out), _not_ours(out), unchanged=[out])
+
+
+def train_output_dir_inside_base(ctx):
+    src = ctx.broken()
+    return Case(_sft(src, src / "run"), _reads(src / "run", "lies inside", src), absent=[src / "run"],
+                unchanged=[src])
+
+
+def make_tiny_over_a_checkpoint(ctx):
+    """A checkpoint from elsewhere (no marker: not written by glm5-bridge) is never replaced."""
+    src = ctx.broken()
+    (src / ".glm5-bridge-output").unlink()
+    return Case(["make-tiny", "GLM-5.2", str(src), "--overwrite"], _not_ours(src), unchanged=[src])
+
+
+def config_index_topk_zero(ctx):
+    src = _edit_config(ctx.broken(), index_topk=0)
+    return Case(["convert", str(src), str(ctx.tmp / "out")],
+                f"{src}/config.json: index_topk is 0, expected a whole number >= 1", [ctx.tmp / "out"])
+
+
+def config_short_indexer_types(ctx):
+    src = ctx.broken()
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(src, indexer_types=["full"])
+    return Case(["convert", str(src), str(ctx.tmp / "out")],
+                f"{src}/config.json: indexer_types has 1 entries, num_hidden_layers is {layers}", [ctx.tmp / "out"])
+
+
+def config_more_experts_per_token_than_experts(ctx):
+    src = ctx.broken()
+    experts = json.loads((src / "config.json").read_text())["n_routed_experts"]
+    _edit_config(src, num_experts_per_tok=experts + 1)
+    return Case(["convert", str(src), str(ctx.tmp / "out")],
+                f"{src}/config.json: num_experts_per_tok {experts + 1} exceeds n_routed_experts {experts}",
+                [ctx.tmp / "out"])
+
+
+def plan_with_zero_tensor_parallel(ctx):
+    return Case(["plan", "GLM-5.2", "--tp", "0"], "argument --tp: 0 is below 1")
+
+
+def plan_with_negative_sequence(ctx):
+    return Case(["plan", "GLM-5.2", "--seq-len", "-4096"], "argument --seq-len: -4096 is below 1")
 
 
 CASES = [wrong_model_type, wrong_architecture, missing_config, config_not_json, config_rejected_by_transformers,
@@ -586,12 +770,19 @@ CASES = [wrong_model_type, wrong_architecture, missing_config, config_not_json, 
          integer_tensor, pickle_weights_only, unknown_preset, unknown_source, preset_without_weights,
          recipe_typo_override, recipe_typo_in_file, recipe_wrong_type, recipe_section_not_a_mapping, recipe_not_yaml,
          missing_dataset, dataset_not_json, sft_token_id_beyond_vocab, rl_token_id_beyond_vocab, sft_empty_sample,
-         sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, replay_payload_kv_coordinates,
-         rl_nan_logprob, rl_loss_mask_not_binary, recipe_value_out_of_range, resume_with_another_lora, run_folder_in_use, nan_in_base_weights, export_target_exists,
+         sft_line_too_long, sft_empty_file, rl_empty_sequence, replay_payload_wrong_shape, replay_payload_kv_coordinates,
+         rl_nan_logprob, rl_reward_a_string, rl_tokens_a_string, rl_loss_mask_not_binary, recipe_value_out_of_range,
+         resume_with_another_lora, resume_with_another_base, sft_without_tokenizer, run_folder_in_use,
+         nan_in_base_weights, inf_in_base_weights_convert, diverging_learning_rate, export_target_exists,
          export_disk_full,
          checkpoint_save_disk_full, trainer_checkpoint_pickle, megatron_metadata_pickle, megatron_extra_state_pickle,
          megatron_weights_truncated,
-         convert_target_exists]
+         convert_target_exists, convert_onto_its_source, convert_over_the_folder_holding_its_source,
+         convert_into_its_source, convert_overwrite_of_a_foreign_folder, export_onto_its_run,
+         export_overwrite_of_a_run_folder, export_into_base_checkpoint, train_export_dir_is_the_run,
+         train_export_dir_foreign, train_output_dir_foreign, train_output_dir_inside_base, make_tiny_over_a_checkpoint,
+         plan_with_zero_tensor_parallel, plan_with_negative_sequence, config_index_topk_zero,
+         config_short_indexer_types, config_more_experts_per_token_than_experts]
 CASE_IDS = [c.__name__.replace("_", "-") for c in CASES]
 PASSED: dict[str, str] = {}
 
@@ -602,9 +793,54 @@ def test_bad_input(make, source, tmp_path, request, monkeypatch, capsys):
     case = make(ctx)
     before = {p: _hashes(p) for p in case.unchanged}
     capsys.readouterr()
-    status = main(case.argv)
+    try:
+        status = main(case.argv)
+    except SystemExit as e:  # argparse refuses an argument
+        status = e.code
     err = capsys.readouterr().err
     monkeypatch.undo()
+    PASSED[make.__name__] = _check(case, status, err, before, source)
+
+
+# One case of each class run as its own `python -m glm5_bridge.cli` process (each costs ~10 s of
+# imports, so not all of them; they run side by side): no upstream warning or log line may reach
+# stderr before ours.
+REAL_PROCESS = [missing_tensor, convert_onto_its_source, resume_with_another_lora, nan_in_base_weights,
+                plan_with_zero_tensor_parallel, sft_line_too_long]
+
+
+def _concurrently(commands: list[list[str]], folder: Path) -> list[tuple[int, str, str]]:
+    """Run the commands side by side (output to files: no pipe can fill); (status, stdout, stderr) each."""
+    procs = []
+    for i, argv in enumerate(commands):
+        out, err = open(folder / f"{i}.out", "w"), open(folder / f"{i}.err", "w")
+        procs.append((subprocess.Popen(argv, stdout=out, stderr=err, text=True, cwd=ROOT), out, err))
+    results = []
+    for proc, out, err in procs:
+        status = proc.wait()
+        out.close(), err.close()
+        results.append((status, Path(out.name).read_text(), Path(err.name).read_text()))
+    return results
+
+
+def test_one_case_of_each_class_as_a_real_process(source, tmp_path, request, monkeypatch):
+    cases = []
+    for make in REAL_PROCESS:
+        (tmp_path / make.__name__).mkdir()
+        case = make(Ctx(tmp_path / make.__name__, source[0], request, monkeypatch))
+        cases.append((make.__name__, case, {p: _hashes(p) for p in case.unchanged}))
+    results = _concurrently([[sys.executable, "-m", "glm5_bridge.cli", *case.argv] for _, case, _ in cases], tmp_path)
+    for (name, case, before), (status, _, err) in zip(cases, results):
+        try:
+            _check(case, status, err, before, source)
+            assert len(err.strip().splitlines()) == 1, err[-3000:]
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def _check(case: Case, status: int, err: str, before: dict, source) -> str:
+    """Exit 2, one `glm5-bridge CMD: error: ...` line last and no other of ours, no traceback,
+    nothing left or changed; returns the message."""
     prefix = f"glm5-bridge {case.argv[0]}: error: "
     lines = [line for line in err.splitlines() if line.strip()]
     assert status == 2, err[-3000:]
@@ -622,7 +858,7 @@ def test_bad_input(make, source, tmp_path, request, monkeypatch, capsys):
     for folder in {p.parent for p in case.absent + case.unchanged} | {p for p in case.unchanged}:
         assert _leftovers(folder) == [], f"temporary files left in {folder}"
     assert _hashes(source[0]) == source[1], "the shared source checkpoint changed"
-    PASSED[make.__name__] = message
+    return message
 
 
 def test_zz_record_bad_inputs():
@@ -681,14 +917,55 @@ def test_header_reader_reads_only_the_header(source):
     assert {k: (v[0], v[1]) for k, v in header.items()} == {k: ("F32", tuple(t.shape)) for k, t in ref.items()}
 
 
-def test_a_real_process_exits_2_with_one_line(source, tmp_path):
-    src = _edit_tensors(_copy(source[0], tmp_path / "hf"), lambda t: t.pop("model.norm.weight"))
-    out = subprocess.run([sys.executable, "-m", "glm5_bridge.cli", "convert", str(src), str(tmp_path / "out")],
-                         capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines()[-1] == (f"glm5-bridge convert: error: {src}: tensor model.norm.weight (64,) "
-                                                   "is missing (1 missing in all)")
-    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
+def test_topk_beyond_every_sequence_is_warned(source, tmp_path):
+    """index_topk larger than every sample: the run goes on, with a warning naming the cost."""
+    src = _edit_config(_copy(source[0], tmp_path / "hf"), index_topk=4096)
+    with pytest.warns(UserWarning, match=r"config\.json: index_topk=4096 exceeds the longest sample \(\d+ tokens\): "
+                                         r"every query attends to all its keys and still pays for 4096 slots"):
+        assert main(_sft(src, tmp_path / "run", "train.steps=1")) == 0
+
+
+def _can_mount_tmpfs(tmp: Path) -> bool:
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp}"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def test_a_real_full_disk(source, run, megatron_checkpoint, tmp_path):
+    """A real full disk, not a simulated OSError: each command's output goes to a small tmpfs (its own
+    mount namespace, `unshare -m`; root only) and safetensors, torch and dist_checkpointing raise what
+    they really raise. Each exits 2 with one line naming its target; its tmpfs is empty after.
+    The five run side by side."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here (needs root and unshare)")
+    disks = {name: tmp_path / name for name in ("make-tiny", "convert-to-megatron", "convert-to-hf", "export", "train")}
+    for disk in disks.values():
+        disk.mkdir()
+    jobs = {  # command: (target, argv, tmpfs size)
+        "make-tiny": (disks["make-tiny"] / "tiny", ["make-tiny", "GLM-5.2", str(disks["make-tiny"] / "tiny")], "1m"),
+        "convert-to-megatron": (disks["convert-to-megatron"] / "mcore",
+                                ["convert", str(source[0]), str(disks["convert-to-megatron"] / "mcore")], "1m"),
+        "convert-to-hf": (disks["convert-to-hf"] / "hf",
+                          ["convert", str(megatron_checkpoint), str(disks["convert-to-hf"] / "hf")], "1m"),
+        "export": (disks["export"] / "merged", ["export", str(run), str(disks["export"] / "merged"), "--merge"], "1m"),
+        # the run folder starts (recipe, lock, TensorBoard) and the first checkpoint does not fit
+        "train": (disks["train"] / "run" / "checkpoints" / "step_0000001",
+                  _sft(source[0], disks["train"] / "run", "train.save_every=1"), "512k"),
+    }
+    # stdout: the exit status and what is left on the tmpfs; stderr: the command's
+    scripts = [["unshare", "-m", "sh", "-c",
+                f"exec 3>&1 1>&2; mount -t tmpfs -o size={size} tmpfs {disks[name]} && {sys.executable} -m "
+                "glm5_bridge.cli " + " ".join(f"'{a}'" for a in argv) + f" > /dev/null; echo rc=$? >&3; "
+                f"ls -A {disks[name]} >&3"] for name, (_, argv, size) in jobs.items()]
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for (name, (target, argv, _)), (_, out, err) in zip(jobs.items(), _concurrently(scripts, logs)):
+        report, lines = out.split(), err.strip().splitlines()
+        assert report[0] == "rc=2" and "Traceback" not in err, (name, err[-3000:])
+        assert _disk_full(target).fullmatch(lines[-1][len(f"glm5-bridge {argv[0]}: error: "):]), (name, lines[-1])
+        assert lines == lines[-1:], f"{name}: stderr is one line"
+        assert report[1:] == [], f"{name}: left on the full disk: {report[1:]}"
+    assert _hashes(source[0]) == source[1]
 
 
 # ---------------------------------------------------------------- the source is only read; no pickle

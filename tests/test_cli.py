@@ -23,12 +23,30 @@ def test_convert_hf_megatron_hf_round_trip(tiny_checkpoint, tmp_path):
 
 def test_convert_refuses_existing_target(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
     source = tiny_checkpoint("GLM-5")
     capsys.readouterr()  # making the checkpoint may print progress bars
     assert main(["convert", str(source), str(tmp_path / "taken")]) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and str(tmp_path / "taken") in err and "\n" not in err
-    assert list((tmp_path / "taken").iterdir()) == []
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+
+def test_overwrite_replaces_only_our_outputs(tiny_checkpoint, tmp_path):
+    """An empty folder is as good as none; --overwrite replaces a folder glm5-bridge wrote (it
+    carries the marker) and nothing else (files.check_output)."""
+    from glm5_bridge.files import OUTPUT_MARKER, output_kind
+
+    (tmp_path / "empty").mkdir()
+    assert main(["make-tiny", "GLM-5.2", str(tmp_path / "empty")]) == 0
+    assert output_kind(tmp_path / "empty") == "output"
+    first = load_file(tmp_path / "empty" / "model.safetensors")
+    assert main(["make-tiny", "GLM-5.2", str(tmp_path / "empty"), "--seed", "1", "--overwrite"]) == 0
+    second = load_file(tmp_path / "empty" / "model.safetensors")
+    assert set(first) == set(second) and not all(torch.equal(first[k], second[k]) for k in first)
+    (tmp_path / "empty" / OUTPUT_MARKER).unlink()
+    assert main(["make-tiny", "GLM-5.2", str(tmp_path / "empty"), "--overwrite"]) == 2
+    assert all(torch.equal(second[k], v) for k, v in load_file(tmp_path / "empty" / "model.safetensors").items())
 
 
 def test_plan_counts_and_refuses_bad_pipeline(capsys):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from glm5_bridge.files import OUTPUT_MARKER
 from glm5_bridge.train.export import export_adapter, export_merged
 from glm5_bridge.train.lora import GLM5LoRA, lora_parameters, lora_targets
 from glm5_bridge.testing import load_hf, load_megatron, megatron_logits
@@ -99,9 +100,14 @@ def test_adapter_export_equals_megatron_lora_under_peft(tiny_checkpoint, tmp_pat
 
     out = export_adapter(bridge, model, tmp_path / "adapter")
 
-    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"adapter_config.json", "adapter_model.safetensors", "README.md",
+                                               OUTPUT_MARKER}
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (8, 16)
+    assert config["base_model_name_or_path"] == str(base_path.resolve())
+    card = (out / "README.md").read_text()
+    assert f'base_model: "{base_path.resolve()}"' in card and "library_name: peft" in card
+    assert "- LoRA: dim 8, alpha 16, dropout 0.0" in card
     assert sorted(config["target_modules"]) == sorted(["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                                                        "o_proj"])
     with safe_open(out / "adapter_model.safetensors", framework="pt") as f:
@@ -130,7 +136,7 @@ def test_existing_targets_base_checkpoint_and_failures(tiny_checkpoint, tmp_path
     with pytest.raises(FileExistsError, match="overwrite=True"):
         export_adapter(bridge, model, target)
     for inside in (base_path, base_path / "merged"):
-        with pytest.raises(FileExistsError, match="base checkpoint"):
+        with pytest.raises(FileExistsError, match=f"{base_path.resolve()}, which this command reads"):
             export_merged(bridge, model, inside, overwrite=True)
     assert _hashes(base_path) == before
 
@@ -163,3 +169,14 @@ def test_adapter_export_refuses_mlp_lora(tiny_checkpoint, tmp_path):
     with pytest.raises(NotImplementedError, match="export_merged"):
         export_adapter(bridge, model, tmp_path / "adapter")
     assert not list(tmp_path.iterdir())
+
+
+def test_base_model_id_is_the_hub_id_a_config_names(tmp_path):
+    from glm5_bridge.train.model_card import base_model_id
+
+    (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": "zai-org/GLM-5.2"}))
+    assert base_model_id(tmp_path) == "zai-org/GLM-5.2"
+    (tmp_path / "config.json").write_text(json.dumps({"_name_or_path": "/data/GLM-5.2"}))  # a local path: not an id
+    assert base_model_id(tmp_path) == str(tmp_path.resolve())
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    assert base_model_id(tmp_path) == str(tmp_path.resolve())

@@ -32,11 +32,12 @@ import _checked
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY, KILLS = 12, 2, 5
-PROGRESS = re.compile(rb"\|\s*(\d+)/%d\b" % STEPS)
+PROGRESS = re.compile(rb"step (\d+)/%d\b" % STEPS)  # runlog's lines when stdout is not a terminal
 
 
 class Run:
-    """One `glm5-bridge train` process; `step` follows its progress bar (steps completed)."""
+    """One `glm5-bridge train` process; `step` follows its progress lines (steps completed; the
+    first line names the step it starts from)."""
 
     def __init__(self, checkpoint: Path, out: Path, log: Path):
         cmd = [sys.executable, "-m", "glm5_bridge.cli", "train", str(ROOT / "recipes" / "tiny_lora_sft.yaml"),
@@ -47,18 +48,18 @@ class Run:
                    PYTHONUNBUFFERED="1")
         env.pop("MASTER_PORT", None)
         self.log = open(log, "ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.PIPE)
-        self.step, self.first, self.stderr = -1, None, b""
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.step, self.first, self.output = -1, None, b""
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
     def _read(self):
-        while chunk := os.read(self.proc.stderr.fileno(), 65536):
-            self.stderr += chunk
+        while chunk := os.read(self.proc.stdout.fileno(), 65536):
+            self.output += chunk
             self.log.write(chunk)
-            found = PROGRESS.findall(self.stderr[-4096:])
+            found = PROGRESS.findall(self.output[-4096:])
             if found:
-                if self.first is None:  # the bar starts at the step the run resumed from
+                if self.first is None:  # the run starts at the step it resumed from
                     self.first = int(found[0])
                 self.step = max(self.step, int(found[-1]))
 
@@ -82,7 +83,7 @@ class Run:
         return rc
 
     def tail(self) -> str:
-        return self.stderr[-3000:].decode(errors="replace")
+        return self.output[-3000:].decode(errors="replace")
 
 
 def _latest(out: Path) -> int:
@@ -119,7 +120,9 @@ def test_sigkill_at_random_steps_resumes_bit_identically(tiny_checkpoint, tmp_pa
     checkpoint = tiny_checkpoint("GLM-5.2")
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    kill_steps = sorted(rng.sample(range(1, STEPS), KILLS))  # distinct, so every cycle gets further
+    # distinct, so every cycle gets further; from step 3 on, so that the step-2 checkpoint is complete when
+    # the first kill comes (a kill lands anywhere in the step after the one printed, its save included)
+    kill_steps = sorted(rng.sample(range(SAVE_EVERY + 1, STEPS), KILLS))
     note = f"(kill schedule seed {seed}: steps {kill_steps}; logs in {tmp_path})"
 
     reference = Run(checkpoint, tmp_path / "reference", tmp_path / "reference.log")

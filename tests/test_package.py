@@ -42,6 +42,7 @@ def test_wheel_carries_data_recipes_and_entry_point(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("glm5_bridge/recipes/tiny_lora_sft.yaml", "glm5_bridge/recipes/base/lora_sft.yaml",
                    "glm5_bridge/recipes/glm52_lora_rl.yaml", "glm5_bridge/train/data/arithmetic.jsonl",
+                   "glm5_bridge/train/data/majority.jsonl",
                    "glm5_bridge/model/presets/GLM-5.2.json", "glm5_bridge/kernels/sparse_mla_fwd.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
@@ -61,6 +62,6 @@ def test_installed_wheel_runs_the_demo_outside_the_tree(wheel, tmp_path):
     work.mkdir()
     version = _run(venv / "bin" / "glm5-bridge", "--version", cwd=work).stdout
     assert version.strip() == "glm5-bridge 0.1.0"
-    demo = _run(venv / "bin" / "glm5-bridge", "demo", "--workdir", work / "demo", "--sft-steps", "2", cwd=work)
+    demo = _run(venv / "bin" / "glm5-bridge", "demo", "--workdir", work / "demo", cwd=work)
     assert "DEMO OK" in demo.stdout
     assert not (work / "glm5_bridge").exists() and (work / "demo" / "summary.json").is_file()

@@ -52,6 +52,9 @@ class GLM5ModelProvider(MLAModelProvider):
     # Per decoder layer "full" / "shared" (IndexShare); None = every layer computes its top-k.
     dsa_indexer_types: list | None = None
     mla_latent_norm_eps: float = 1e-6
+    # The checkpoint the weights come from (set by AutoBridge.to_megatron_provider when it loads
+    # them): the loaded weights are checked finite and a failure names it.
+    weights_source: str | None = None
 
     def finalize(self) -> None:
         if self.dsa_attention_backend not in BACKENDS:
@@ -69,7 +72,10 @@ class GLM5ModelProvider(MLAModelProvider):
             compat.enable_cpu_support()
             compat.init_cpu_process_group()
             kwargs["use_cpu_initialization"] = True
-        return super().provide_distributed_model(*args, **kwargs)
+        chunks = super().provide_distributed_model(*args, **kwargs)
+        if self.weights_source is not None:
+            check_finite_weights(chunks, self.weights_source)
+        return chunks
 
     def initialize_model_parallel(self, seed=None, seed_kwargs=None, **model_parallel_kwargs):
         if torch.cuda.is_available():
@@ -82,6 +88,24 @@ class GLM5ModelProvider(MLAModelProvider):
     def build_mtp_block_spec(self, vp_stage=None):
         """Called instead of megatron-bridge's TE-only MTP spec (compat item 3)."""
         return glm5_mtp_block_spec(self, vp_stage=vp_stage)
+
+
+def check_finite_weights(chunks, source: str) -> None:
+    """Refuse weights holding NaN or Inf, naming the first such tensor: poisoned base weights would
+    otherwise train to NaN and export NaN. Cost: one read of this rank's weights (a float32 sum per
+    tensor, all compared at once; a NaN or Inf makes the sum non-finite), with no copy of them."""
+    named = [(name, t) for chunk in chunks for name, t in (*chunk.named_parameters(), *chunk.named_buffers())
+             if t.is_floating_point() and t.numel()]
+    if not named:
+        return
+    with torch.no_grad():
+        finite = torch.stack([t.sum(dtype=torch.float32) for _, t in named]).isfinite().tolist()
+        bad = [(name, int((~t.isfinite()).sum())) for (name, t), ok in zip(named, finite) if not ok]
+    bad = [(name, count) for name, count in bad if count]  # a sum can overflow without a NaN or Inf
+    if bad:
+        name, count = bad[0]
+        raise ValueError(f"{source}: non-finite weights: {count} NaN/Inf value(s) in {name} (Megatron name; "
+                         f"{len(bad)} tensor(s) in all); the checkpoint is corrupt")
 
 
 @MegatronModelBridge.register_bridge(
@@ -178,14 +202,19 @@ class AutoBridge(MegatronAutoBridge):
             bridge = cls.from_hf_config(GlmMoeDsaConfig(**source.config))
             bridge.config_only_source = source.name
             return bridge
-        return super().from_hf_pretrained(str(source.folder), **kwargs)
+        bridge = super().from_hf_pretrained(str(source.folder), **kwargs)
+        bridge.weights_folder = source.folder
+        return bridge
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path=None):
         source = getattr(self, "config_only_source", None)
         if load_weights and hf_path is None and source is not None:
             raise ValueError(f"{source!r} has a config but no weights here; pass the local path of the "
                              "downloaded checkpoint (or load_weights=False for a randomly initialised model)")
-        return super().to_megatron_provider(load_weights, hf_path)
+        provider = super().to_megatron_provider(load_weights, hf_path)
+        if load_weights and isinstance(provider, GLM5ModelProvider):
+            provider.weights_source = str(hf_path or getattr(self, "weights_folder", None) or "the checkpoint")
+        return provider
 
 
 def build_megatron_model(path, load_weights: bool = True, **provider_overrides):

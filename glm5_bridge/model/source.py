@@ -80,11 +80,29 @@ def read_config(path: str | os.PathLike) -> dict:
     except Exception as e:
         detail = " ".join(str(getattr(e, "__cause__", None) or e).split())
         raise CheckpointError(f"{file}: transformers rejects this config ({detail})") from None
+    _check_sizes(file, config)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise NotImplementedError(f"{file}: quantized checkpoints ({method}) are not supported; use the bf16 release "
                                   "(megatron-bridge's GLM-5 mapping has no dequantization)")
     return config
+
+
+# Sizes transformers accepts without a word but no GLM-5.x model can have (each >= 1).
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "index_topk",
+                  "index_n_heads", "index_head_dim")
+
+
+def _check_sizes(file: Path, config: dict) -> None:
+    for key in POSITIVE_SIZES:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise CheckpointError(f"{file}: {key} is {value!r}, expected a whole number >= 1")
+    if config.get("num_experts_per_tok", 0) > config.get("n_routed_experts", 1 << 30):
+        raise CheckpointError(f"{file}: num_experts_per_tok {config['num_experts_per_tok']} exceeds n_routed_experts "
+                              f"{config['n_routed_experts']}")
 
 
 def hf_kwargs(config: dict) -> dict:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from glm5_bridge.hf import unfuse
+from glm5_bridge.model.config import indexer_types
 from glm5_bridge.model.source import INDEX_NAME, CheckpointError, Source, hf_kwargs, resolve
 
 __all__ = ["CheckpointError", "validate_checkpoint", "expected_tensors", "read_header", "checkpoint_tensors"]
@@ -163,6 +164,7 @@ def validate_checkpoint(path: str | os.PathLike | Source, weights: bool = True) 
             raise CheckpointError(f"{source.name!r} is a preset (a config.json, no weights); give the folder of a "
                                   "downloaded checkpoint")
         return source.config
+    _check_indexer_types(source)
     if not weights:
         return source.config
     if not source.has_weights:
@@ -173,6 +175,16 @@ def validate_checkpoint(path: str | os.PathLike | Source, weights: bool = True) 
         return source.config
     _compare(source.folder, source.config, checkpoint_tensors(source.folder))
     return source.config
+
+
+def _check_indexer_types(source: Source) -> None:
+    """IndexShare's per-layer list must fit the layer count (transformers accepts any list)."""
+    from transformers import GlmMoeDsaConfig
+
+    try:
+        indexer_types(GlmMoeDsaConfig(**hf_kwargs(source.config)))
+    except ValueError as e:
+        raise CheckpointError(f"{source.folder / 'config.json'}: {str(e).removeprefix('config.json: ')}") from None
 
 
 def _compare(folder: Path, config: dict, found: dict[str, tuple[Path, str, tuple]]) -> None:

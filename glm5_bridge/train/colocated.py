@@ -19,7 +19,7 @@ import torch
 
 from glm5_bridge.hf import fuse
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk
-from glm5_bridge.train.data import arithmetic_problems
+from glm5_bridge.train.data import arithmetic_problems, load_tokenizer
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
 
@@ -129,17 +129,16 @@ def colocated_rl(recipe: Recipe, stop_after: int | None = None) -> dict:
     synced weights only, so a resumed run generates what the uninterrupted one would). The Megatron
     step replays the captured top-k when `recipe.rl.replay`. One data-parallel rank: the rollouts of
     a step are one micro-batch (TP / PP / EP are fine)."""
-    from transformers import AutoTokenizer
-
     from glm5_bridge.hf import load_hf
     from glm5_bridge.train.engine import Engine, data_parallel_info
-    from glm5_bridge.train.run import run_steps
+    from glm5_bridge.train.run import check_run_outputs, run_steps
 
     t, rl = recipe.train, recipe.rl
+    check_run_outputs(recipe)
     engine = Engine(recipe)
     if data_parallel_info()[1] != 1:
         raise ValueError("the colocated RL loop runs one data-parallel rank; use TP / PP / EP, or RL on a rollout file")
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
+    tokenizer = load_tokenizer(recipe.model.checkpoint)
     hf_model = load_hf(recipe.model.checkpoint)
     capture = IndexerCapture(hf_model, getattr(torch, rl.rollout_indexer_dtype))
     problems = arithmetic_problems(t.steps * rl.prompts_per_step, seed=recipe.data.seed)

@@ -7,8 +7,9 @@ Both are megatron-bridge's own writers (`AutoBridge.save_hf_pretrained` with ada
 `AutoBridge.save_hf_adapter`) wrapped so that:
   - the result appears all at once: files are written into a temporary folder next to the
     target, fsynced, then renamed into place; a failure leaves no partial target behind;
-  - an existing target is refused unless `overwrite=True` (then replaced, again by rename);
-  - the base checkpoint is only read: a target that is, contains or lies inside it is refused;
+  - an existing target is refused unless `overwrite=True`, and then replaced (again by rename) only
+    if this project wrote it; a target that is, contains or lies inside the base checkpoint (or
+    another input named in `reads`, such as the run folder) is refused (files.check_output);
   - a merged checkpoint always has `model.safetensors.index.json` (upstream keeps the base
     checkpoint's shard layout and writes an index only when the base had one).
 
@@ -18,17 +19,15 @@ Both are collective: every rank calls them (TP/PP/EP shards are gathered); rank 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from glm5_bridge.files import remove_abandoned
+from glm5_bridge.files import atomic_output_dir
 from glm5_bridge.model.source import INDEX_NAME
 from glm5_bridge.train.lora import lora_parameters
+from glm5_bridge.train.model_card import base_model_id
 
 
 ADAPTER_MLP_UNSUPPORTED = (
@@ -43,94 +42,19 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _from_rank0(value):
-    """rank 0's value on every rank (so that all ranks take the same branch around collectives)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _base_checkpoint(bridge) -> Path | None:
     source = getattr(bridge.hf_pretrained, "model_name_or_path", None)
     return Path(source).resolve() if source and Path(source).exists() else None
 
 
-def _check_target(bridge, out: Path, overwrite: bool) -> str | None:
-    """Why `out` may not be written, or None."""
-    base = _base_checkpoint(bridge)
-    if base is not None and (out == base or base in out.parents or out in base.parents):
-        return f"{out}: refusing to write into or over the base checkpoint {base}"
-    if out.exists() and not out.is_dir():
-        return f"{out} exists and is not a folder"
-    if out.exists() and not overwrite:
-        return f"{out} exists; pass overwrite=True to replace it"
-    return None
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    for path in [*sorted(p for p in folder.rglob("*") if p.is_dir()), folder]:
-        _fsync_dir(path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_export(bridge, out_dir, overwrite: bool, write) -> Path:
-    """Run `write(tmp_dir)` on every rank, then (rank 0) publish tmp_dir as `out_dir` by rename."""
+def _atomic_export(bridge, out_dir, overwrite: bool, reads, write) -> Path:
+    """Run `write(tmp_dir)` on every rank inside files.atomic_output_dir: the target is checked
+    against the base checkpoint and `reads` first, and appears whole or not at all."""
     out = Path(out_dir).resolve()
-    error = _from_rank0(_check_target(bridge, out, overwrite) if _rank() == 0 else None)
-    if error is not None:
-        raise FileExistsError(error)
-    # pid of the writing rank in the name: a later export removes what a killed one left (remove_abandoned)
-    tmp = Path(_from_rank0(str(out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")))
-    failed = None
-    try:
-        if _rank() == 0:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            remove_abandoned(out.parent, out.name)
-            tmp.mkdir()
+    base = _base_checkpoint(bridge)
+    with atomic_output_dir(out, overwrite, reads=[*([base] if base else []), *reads]) as tmp:
         write(tmp)
-    except BaseException as exc:  # clean up, then re-raise below
-        failed = exc
-    failed_anywhere = _any_rank(failed is not None)
-    if _rank() == 0 and tmp.exists() and (failed_anywhere or failed is not None):
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed is not None:
-        raise failed
-    if failed_anywhere:
-        raise RuntimeError(f"export to {out} failed on another rank; nothing was written")
-    if _rank() == 0:
-        _fsync_tree(tmp)
-        old = None
-        if out.exists():  # overwrite=True: move the old one aside, swap, then delete it
-            old = out.parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()
     return out
-
-
-def _any_rank(flag: bool) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, flag)
-    return any(flags)
 
 
 def _write_index_if_missing(folder: Path) -> None:
@@ -162,9 +86,31 @@ def _chunks(model) -> list:
     return model if isinstance(model, list) else [model]
 
 
-def export_merged(bridge, model, out_dir, overwrite: bool = False, show_progress: bool = False) -> Path:
+def _write_card(folder: Path, kind: str, bridge, model, recipe, history) -> None:
+    """README.md: the model card (train/model_card.py); `recipe` and `history` add the recipe and
+    the final metrics when the caller has them."""
+    from glm5_bridge.train.model_card import model_card
+
+    lora = None
+    if lora_parameters(model):
+        try:
+            lora = vars(_adapter_hyperparameters(model))
+        except NotImplementedError:  # adapters with differing alphas: the card leaves the line out
+            pass
+    recipe_yaml = None
+    if recipe is not None:
+        from glm5_bridge.train.recipe import to_yaml
+
+        recipe_yaml = to_yaml(recipe)
+    card = model_card(kind, base_model_id(_base_checkpoint(bridge)), lora, recipe_yaml, history)
+    (folder / "README.md").write_text(card)
+
+
+def export_merged(bridge, model, out_dir, overwrite: bool = False, show_progress: bool = False,
+                  reads=(), recipe=None, history=None) -> Path:
     """Write an HF checkpoint (safetensors shards + index, config, tokenizer and generation config)
-    with every LoRA delta folded into its base weight; loadable with
+    with every LoRA delta folded into its base weight, and a model card (README.md; with `recipe`
+    and `history`, the recipe and final metrics too); loadable with
     `GlmMoeDsaForCausalLM.from_pretrained(out_dir)`. The MTP layer is kept (transformers ignores it).
     Without adapters this is a plain export. Returns the resolved target path."""
 
@@ -172,14 +118,17 @@ def export_merged(bridge, model, out_dir, overwrite: bool = False, show_progress
         bridge.save_hf_pretrained(_chunks(model), tmp, show_progress=show_progress, merge_adapter_weights=True)
         if _rank() == 0:
             _write_index_if_missing(tmp)
+            _write_card(tmp, "merged", bridge, model, recipe, history)
 
-    return _atomic_export(bridge, out_dir, overwrite, write)
+    return _atomic_export(bridge, out_dir, overwrite, reads, write)
 
 
 def export_adapter(bridge, model, out_dir, overwrite: bool = False, include_mtp: bool = False,
-                   show_progress: bool = False) -> Path:
+                   show_progress: bool = False, reads=(), recipe=None, history=None) -> Path:
     """Write the LoRA adapters as an HF PEFT adapter (adapter_config.json + adapter_model.safetensors,
-    HF module names), loadable with `peft.PeftModel.from_pretrained(hf_base_model, out_dir)`.
+    HF module names, and a model card as export_merged), loadable with
+    `peft.PeftModel.from_pretrained(hf_base_model, out_dir)`. `base_model_name_or_path` is the base's
+    Hub id when its config.json names one, else its path.
 
     The MTP layer's adapters are left out unless `include_mtp` (transformers has no MTP module, so
     PEFT would report them as unexpected keys). Only attention-projection adapters are supported
@@ -195,10 +144,12 @@ def export_adapter(bridge, model, out_dir, overwrite: bool = False, include_mtp:
 
     def write(tmp: Path) -> None:
         bridge.save_hf_adapter(_chunks(model), tmp, peft_config=peft_config,
-                               base_model_name_or_path=str(base) if base else None, show_progress=show_progress,
+                               base_model_name_or_path=base_model_id(base), show_progress=show_progress,
                                exclude_adapter_base_prefixes=None if include_mtp else ("mtp.",))
+        if _rank() == 0:
+            _write_card(tmp, "adapter", bridge, model, recipe, history)
 
-    return _atomic_export(bridge, out_dir, overwrite, write)
+    return _atomic_export(bridge, out_dir, overwrite, reads, write)
 
 
 def _adapter_hyperparameters(model) -> SimpleNamespace:

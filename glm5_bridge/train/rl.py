@@ -34,7 +34,8 @@ from glm5_bridge.train.common import adapters_off, token_logprobs, token_nll
 from glm5_bridge.train.data import GlobalBatches, greedy_groups, pack, read_jsonl
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.routing_replay import replaying_routes
-from glm5_bridge.train.run import deterministic_algorithms, run_steps
+from glm5_bridge.train.run import (check_run_outputs, deterministic_algorithms, run_steps,
+                                   warn_topk_beyond_sequences)
 
 
 class Rollout:
@@ -44,12 +45,12 @@ class Rollout:
         for key in ("tokens", "loss_mask", "rollout_logprobs"):
             if key not in row:
                 raise ValueError(f"{where}: missing key {key!r}")
-        self.tokens = [int(t) for t in row["tokens"]]
+        self.tokens = [int(t) for t in _numbers(row, "tokens", where, whole=True)]
         n = len(self.tokens)
         if n < 2:
             raise ValueError(f"{where}: needs at least 2 tokens, has {n}")
         for key in ("loss_mask", "rollout_logprobs"):
-            if len(row[key]) != n:
+            if len(_numbers(row, key, where, whole=key == "loss_mask")) != n:
                 raise ValueError(f"{where}: {key} has {len(row[key])} entries, tokens has {n}")
         bad = [t for t in self.tokens if not 0 <= t < vocab_size]
         if bad:
@@ -64,20 +65,39 @@ class Rollout:
         if bad is not None:  # only trained positions count: a prompt's entries are ignored
             raise ValueError(f"{where}: rollout_logprobs[{bad}] is {self.rollout_logprobs[bad]}; log-probs must be "
                              "finite and ≤ 0")
-        self.advantage = row.get("advantage")
-        self.reward = row.get("reward")
+        self.advantage, self.reward = _number(row, "advantage", where), _number(row, "reward", where)
         if self.advantage is None and self.reward is None:
             raise ValueError(f"{where}: needs 'advantage' or 'reward'")
-        for key in ("advantage", "reward"):
-            value = row.get(key)
-            if value is not None and not math.isfinite(float(value)):
-                raise ValueError(f"{where}: {key} is {value}; it must be finite")
         self.group = row.get("group", "")
         meta = row.get("meta_info") or {}
         self.topk = (RequestTopk.from_sglang(meta, layout, n, sample_id=where)
                      if meta.get("indexer_topk") else None)
         self.routes = (decode_routed_experts(meta, layout, n, sample_id=where)
                        if meta.get("routed_experts") and layout.moe_topk else None)
+
+
+def _numbers(row: dict, key: str, where: str, whole: bool) -> list:
+    """row[key] as a list of numbers (whole ones where `whole`; None allowed in log-probs: sglang
+    has none for the first token), or a one-line error naming the entry."""
+    values = row[key]
+    if not isinstance(values, list):
+        raise ValueError(f"{where}: {key} must be a list of numbers, got {type(values).__name__}")
+    for i, x in enumerate(values):
+        number = isinstance(x, (int, float)) and not isinstance(x, bool)
+        if not (number and (not whole or float(x).is_integer())) and not (x is None and key == "rollout_logprobs"):
+            raise ValueError(f"{where}: {key}[{i}] is {x!r}, not {'a whole number' if whole else 'a number'}")
+    return values
+
+
+def _number(row: dict, key: str, where: str) -> float | None:
+    value = row.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{where}: {key} is {value!r}, not a number")
+    if not math.isfinite(value):
+        raise ValueError(f"{where}: {key} is {value}; it must be finite")
+    return float(value)
 
 
 def load_rollouts(path, vocab_size: int, layout: ReplayLayout, limit: int = 0) -> list[Rollout]:
@@ -246,9 +266,11 @@ def _train_rl(recipe: Recipe, stop_after: int | None) -> dict:
 
     # Inputs first (cheap, one-line errors), then the layout against the GPU, then the model.
     validate_checkpoint(recipe.model.checkpoint)
+    check_run_outputs(recipe)
     hf = load_hf_config(recipe.model.checkpoint)
     t = recipe.train
     samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit)
+    warn_topk_beyond_sequences(hf, max(len(s.tokens) for s in samples), "rollout")
     groups = _micro_batches(samples, recipe.data.max_tokens)
     routes = recipe.rl.replay and all(s.routes is not None for s in samples)
     check_recipe_fits(recipe, hf)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from glm5_bridge.files import OutputRefused, check_output, mark_output
 from glm5_bridge.train import checkpoint
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.runlog import RunLog, is_rank0
@@ -60,7 +61,7 @@ def run_steps(recipe: Recipe, engine, title: str, step_fn: Callable[[int], dict]
     if curve:
         result["loss_curve"] = curve
     if end == t.steps and recipe.export.kind != "none":
-        result["export"] = str(export_trained(recipe, engine))
+        result["export"] = str(export_trained(recipe, engine, log.history))
     return result
 
 
@@ -81,6 +82,7 @@ def _locked_run_folder(out: Path):
             handle.truncate()
             handle.write(f"{os.getpid()}\n")
             handle.flush()
+            mark_output(out, "run")  # a later run (a resume) may write into it; --overwrite never replaces it
             checkpoint.remove_abandoned(out / "checkpoints")  # half-written saves of a killed run
         except BlockingIOError:
             handle.seek(0)
@@ -94,6 +96,18 @@ def _locked_run_folder(out: Path):
     if box[0] is not None:
         raise ValueError(box[0])
     return handle
+
+
+def warn_topk_beyond_sequences(hf, longest: int, what: str) -> None:
+    """The sparse attention pays for `index_topk` key slots per query however short the sequence:
+    say so when no sequence of the run is that long (a config typo costs 50× a step, silently)."""
+    import warnings
+
+    topk = hf.index_topk
+    if topk > longest:
+        warnings.warn(f"config.json: index_topk={topk} exceeds the longest {what} ({longest} tokens): every query "
+                      f"attends to all its keys and still pays for {topk} slots (the published GLM-5.x use 2048)",
+                      stacklevel=2)
 
 
 def _check_finite(record: dict) -> None:
@@ -118,9 +132,29 @@ def deterministic_algorithms(on: bool):
         torch.use_deterministic_algorithms(previous)
 
 
-def export_trained(recipe: Recipe, engine) -> Path:
+def export_target(recipe: Recipe) -> Path:
+    return Path(recipe.export.dir or Path(recipe.train.output_dir) / f"export_{recipe.export.kind}")
+
+
+def check_run_outputs(recipe: Recipe) -> None:
+    """Before any work (files.check_output): the run folder and the export folder may not be, contain
+    or lie inside the base checkpoint; the export folder may not be or contain the run folder, nor
+    lie inside its checkpoints; either, when it exists and is not empty, must be one this project
+    wrote (the run folder is written into; the export folder is replaced when training ends)."""
+    run, base = Path(recipe.train.output_dir), recipe.model.checkpoint
+    check_output(run, [base], overwrite=True, kind="run")
+    if recipe.export.kind == "none":
+        return
+    target = export_target(recipe)
+    if target.resolve() == run.resolve() or target.resolve() in run.resolve().parents:
+        raise OutputRefused(f"export.dir {target}: {'is' if target.resolve() == run.resolve() else 'contains'} "
+                            f"the run folder {run}; choose another export folder")
+    check_output(target, [base, run / "checkpoints"], overwrite=True)
+
+
+def export_trained(recipe: Recipe, engine, history: list[dict]) -> Path:
     from glm5_bridge.train.export import export_adapter, export_merged
 
-    target = Path(recipe.export.dir or Path(recipe.train.output_dir) / f"export_{recipe.export.kind}")
     write = export_merged if recipe.export.kind == "merged" else export_adapter
-    return write(engine.bridge, engine.chunk, target, overwrite=True)
+    return write(engine.bridge, engine.chunk, export_target(recipe), overwrite=True,
+                 reads=[Path(recipe.train.output_dir) / "checkpoints"], recipe=recipe, history=history)

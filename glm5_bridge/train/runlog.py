@@ -30,7 +30,10 @@ class RunLog:
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, initial=len(history), desc=title, dynamic_ncols=True)
+        self.bar = tqdm(total=total, initial=len(history), desc=title, dynamic_ncols=True,
+                        disable=None)  # None: no bar when stderr is not a terminal (logs, CI)
+        if self.bar.disable:
+            print(f"{title} starts at step {len(history)}/{total}", flush=True)
         tb_dir = recipe.train.tensorboard_dir or str(self.out / "tensorboard")
         if tb_dir != "none":
             try:
@@ -59,9 +62,11 @@ class RunLog:
                     self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        loss, tok_s = f"{record.get('loss', float('nan')):.4f}", f"{record.get('tokens_per_s', 0):.0f}"
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}",
-                             tok_s=f"{record.get('tokens_per_s', 0):.0f}")
+        self.bar.set_postfix(loss=loss, tok_s=tok_s)
+        if self.bar.disable:  # not a terminal: one stdout line per step instead of the bar
+            print(f"{self.title} step {step}/{self.bar.total}: loss {loss}, {tok_s} tokens/s", flush=True)
 
     @contextmanager
     def running(self):

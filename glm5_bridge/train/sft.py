@@ -19,9 +19,10 @@ import torch
 
 from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.train.common import token_nll
-from glm5_bridge.train.data import GlobalBatches, packed_batches, read_jsonl, tokenize_chat
+from glm5_bridge.train.data import GlobalBatches, load_tokenizer, packed_batches, read_jsonl, tokenize_chat
 from glm5_bridge.train.recipe import Recipe
-from glm5_bridge.train.run import deterministic_algorithms, run_steps
+from glm5_bridge.train.run import (check_run_outputs, deterministic_algorithms, run_steps,
+                                   warn_topk_beyond_sequences)
 
 METRICS = ["nll_sum", "loss_tokens", "tokens"]
 
@@ -34,10 +35,15 @@ def load_chat(path, recipe: Recipe, tokenizer, vocab_size: int, limit: int = 0) 
         rows = rows[:limit]
     if not rows:
         raise ValueError(f"{path}: no samples")
-    tokenized = []
+    tokenized, most_chars = [], recipe.data.max_tokens * _longest_token(tokenizer)
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "messages" not in row:
             raise ValueError(f"{path}: line {i + 1} has no 'messages' key")
+        chars = _characters(row["messages"])
+        if chars > most_chars:  # refused before tokenizing it (a 10 MB line takes minutes)
+            raise ValueError(f"{path}: line {i + 1} has {chars} characters, more than data.max_tokens="
+                             f"{recipe.data.max_tokens} tokens can hold (at most {most_chars // recipe.data.max_tokens}"
+                             " characters a token, the tokenizer's longest)")
         try:
             ids, mask = tokenize_chat(tokenizer, row["messages"])
         except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -51,6 +57,18 @@ def load_chat(path, recipe: Recipe, tokenizer, vocab_size: int, limit: int = 0) 
                              f"data.max_tokens={recipe.data.max_tokens}")
         tokenized.append((ids, mask))
     return tokenized
+
+
+def _longest_token(tokenizer) -> int:
+    """Characters of the longest vocabulary entry (added tokens included): no token covers more
+    text, so a text longer than max_tokens × this cannot fit."""
+    return max(map(len, tokenizer.get_vocab()))
+
+
+def _characters(messages) -> int:
+    if not isinstance(messages, list):
+        return 0  # tokenize_chat names what is wrong with it
+    return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
 
 
 def sft_loss(output, batch):
@@ -71,19 +89,19 @@ def train_sft(recipe: Recipe, stop_after: int | None = None) -> dict:
 
 
 def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
-    from transformers import AutoTokenizer
-
     from glm5_bridge.model.validate import validate_checkpoint
     from glm5_bridge.train.engine import Engine, data_parallel_info
     from glm5_bridge.train.plan import check_recipe_fits
 
     # Inputs first (cheap, one-line errors), then the layout against the GPU, then the model.
     validate_checkpoint(recipe.model.checkpoint)
+    check_run_outputs(recipe)
     hf = load_hf_config(recipe.model.checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.model.checkpoint)
+    tokenizer = load_tokenizer(recipe.model.checkpoint)
     data, t = recipe.data, recipe.train
     samples = load_chat(data.train, recipe, tokenizer, hf.vocab_size, data.limit)
     valid = load_chat(data.valid, recipe, tokenizer, hf.vocab_size) if data.valid else []
+    warn_topk_beyond_sequences(hf, max(len(ids) for ids, _ in samples + valid), "sample")
     if t.eval_every and not valid:
         raise ValueError("train.eval_every is set but data.valid names no validation file")
     check_recipe_fits(recipe, hf)

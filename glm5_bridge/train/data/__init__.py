@@ -43,7 +43,29 @@ def arithmetic_problems(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-EMBEDDED = {"arithmetic": ARITHMETIC}  # datasets shipped in the package, by the name a recipe may give
+MAJORITY = Path(__file__).with_name("majority.jsonl")
+
+
+def majority_problems(n: int, seed: int = 0, exclude: frozenset = frozenset()) -> list[dict]:
+    """"More 0s or 1s in 110111011101111?" → "1": 15 random digits, one of them at least 10 times
+    (a clear majority). A random tiny base model answers none of these; LoRA on its attention learns
+    the rule in the demo's 60 steps, and it carries over to strings never seen in training, which a
+    model that only lowered its loss on the training set would not do. `exclude`: questions to skip
+    (a held-out set leaves out the training questions)."""
+    rng, out = random.Random(seed), []
+    while len(out) < n:
+        digits = [rng.randint(0, 1) for _ in range(15)]
+        ones = sum(digits)
+        question = f"More 0s or 1s in {''.join(map(str, digits))}?"
+        if 5 < ones < 10 or question in exclude:
+            continue
+        out.append({"messages": [{"role": "user", "content": question},
+                                 {"role": "assistant", "content": "1" if ones >= 10 else "0"}]})
+    return out
+
+
+# datasets shipped in the package, by the name a recipe may give (majority.jsonl: majority_problems(1000))
+EMBEDDED = {"arithmetic": ARITHMETIC, "majority": MAJORITY}
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -60,6 +82,24 @@ def read_jsonl(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
     return rows
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(checkpoint):
+    """The checkpoint's own tokenizer, or one line naming the folder and what is missing (transformers'
+    own message runs over several lines and names no folder)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(checkpoint)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder}: no tokenizer (tokenizer.json / tokenizer_config.json); training "
+                                "tokenizes with the checkpoint's own tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{folder}: cannot load its tokenizer ({' '.join(str(e).split())[:300]})") from None
 
 
 def _ids(encoded) -> list[int]:
