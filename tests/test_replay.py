@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from glm5_bridge.model.payload import ReplayLayout
+from glm5_bridge.model.payload import ReplayLayout, from_store
+from glm5_bridge.model.replay_store import ReplayStore, ReplayStoreWriter
 from glm5_bridge.model.replay import IndexerReplay, RequestTopk
 from glm5_bridge.testing import load_hf, load_megatron, packed_seq_params
 
@@ -248,10 +249,18 @@ def test_sglang_encoding_layout():
         RequestTopk.from_sglang(meta, layout, num_tokens=7, sample_id="x")
 
 
+def _key_sets(t: torch.Tensor) -> torch.Tensor:
+    """Each row's keys ascending, −1 last: equal for equal sets whatever the slot order."""
+    big = torch.iinfo(t.dtype).max
+    ordered = t.masked_fill(t < 0, big).sort(-1).values
+    return ordered.masked_fill(ordered == big, -1)
+
+
 def test_sglang_round_trip_packed_index_share(model, tmp_path):
     """Record 3 packed requests on GLM-5.2, ship them as sglang meta_info (len(tokens) − 1 rows,
     JSON), decode, replay on all tokens with other indexer weights: every position but each
-    request's last reproduces the recording. The on-disk form round-trips too."""
+    request's last reproduces the recording. The on-disk forms round-trip too: safetensors, and
+    the compact store (the same key sets, in ascending order)."""
     seqs = _seqs(seed=6)
     with IndexerReplay.recording() as rec:
         recorded = _step(model, seqs, backward=False)
@@ -271,11 +280,23 @@ def test_sglang_round_trip_packed_index_share(model, tmp_path):
     for d, x, y in zip(decoded, lazy, eager):
         assert torch.equal(x.tensor(), d.tensor()) and torch.equal(y.tensor(), d.tensor())
 
+    # the compact store (model/replay_store.py): the same key sets, read a layer at a time
+    with ReplayStoreWriter(tmp_path / "topk.r3") as writer:
+        for i, d in enumerate(decoded):
+            for slot in range(d.num_layers):
+                writer.add_rows(f"s{i}", slot, 0, d.layer(slot))
+    store = ReplayStore(tmp_path / "topk.r3")
+    compact = [from_store(store, f"s{i}") for i in range(3)]
+    for d, c in zip(decoded, compact):
+        assert c.shape == d.shape and torch.equal(_key_sets(c.tensor()), _key_sets(d.tensor()))
     with _perturbed_indexers(model):
         with IndexerReplay.replaying(decoded):
             out = _step(model, seqs, backward=False)[0]
         with IndexerReplay.replaying(lazy):
             out_lazy = _step(model, seqs, backward=False)[0]
+        with IndexerReplay.replaying(compact):
+            out_compact = _step(model, seqs, backward=False)[0]
+    assert (out_compact - out).abs().max() <= TOL  # slots in another order: sums in another order
     last = torch.cumsum(torch.tensor(LENGTHS), 0) - 1
     keep = torch.ones(sum(LENGTHS), dtype=torch.bool)
     keep[last] = False

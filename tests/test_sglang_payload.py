@@ -106,6 +106,11 @@ def test_replayed_keys_and_experts_reproduce_the_engine(path, layout, prompts, r
     assert gap(True) < 1e-4
     assert gap(False) > 1e-2
     assert gap(True, experts=False) > 1e-2  # the shifted routers chose other experts
+    # the same rollouts streamed into a compact replay store, replayed a layer at a time from it
+    streamed = load_rollouts(tmp_path / "rollouts.jsonl", 256, layout, store=tmp_path / "replay" / "r.r3")
+    assert all(s.topk._read_layer is not None for s in streamed)
+    batch = rollout_batch(streamed, model.vocab_size)
+    assert gap(True) < 1e-4
 
 
 def test_rl_step_replays_engine_payloads(path, prompts, responses, tmp_path):
@@ -124,6 +129,13 @@ def test_rl_step_replays_engine_payloads(path, prompts, responses, tmp_path):
     assert first[True]["replay"] and first[True]["routing_replay"]
     assert first[True]["logprob_abs_diff_max"] < 1e-4 and abs(first[True]["ratio_mean"] - 1) < 1e-5
     assert first[False]["logprob_abs_diff_max"] > 1e-2
+    # rl.replay_store: the payloads streamed into {output_dir}/replay/ and replayed from there
+    recipe = load_recipe(None, ["task=rl", f"model.checkpoint={path}", f"train.output_dir={tmp_path / 'store'}",
+                                f"data.train={data}", "data.max_tokens=256", "train.steps=1", "lora.dim=4",
+                                "export.kind=none", "train.deterministic=true", "rl.replay_store=true"])
+    stored = train_rl(recipe)["history"][0]
+    assert (tmp_path / "store" / "replay" / "rollouts.jsonl.rank0.r3").is_file()
+    assert stored["replay"] and stored["logprob_abs_diff_max"] < 1e-4 and abs(stored["ratio_mean"] - 1) < 1e-5
 
 
 def test_routed_experts_start_len(path, layout, prompts, tmp_path):

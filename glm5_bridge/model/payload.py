@@ -121,6 +121,7 @@ class RequestTopk:
                              f"[rows, computing layers, index_topk], got {topk.dtype} {tuple(topk.shape)}")
         self._topk = topk.to("cpu", torch.int32)
         self._path = None
+        self._read_layer = None  # a compact replay store's reader (from_store)
         self.shape = tuple(self._topk.shape)
         self.sample_id = sample_id
 
@@ -130,6 +131,8 @@ class RequestTopk:
 
     def layer(self, slot: int) -> torch.Tensor:
         """[rows, index_topk] int32 of the slot-th computing layer (read from disk if lazy)."""
+        if self._read_layer is not None:
+            return self._read_layer(slot)
         if self._path is None:
             return self._topk[:, slot]
         from safetensors import safe_open
@@ -138,31 +141,34 @@ class RequestTopk:
             return f.get_slice("indexer_topk")[:, slot, :]
 
     def tensor(self) -> torch.Tensor:
-        return torch.stack([self.layer(j) for j in range(self.num_layers)], 1) if self._path else self._topk
+        lazy = self._path is not None or self._read_layer is not None
+        return torch.stack([self.layer(j) for j in range(self.num_layers)], 1) if lazy else self._topk
 
-    def check(self, layout: ReplayLayout | None = None) -> "RequestTopk":
+    def check(self, layout: ReplayLayout | None = None, first_row: int = 0) -> "RequestTopk":
         """Every slot −1 or a key position at or before its row's query, no key twice in a row; one
         line naming the request and layer otherwise. A key past its query is what KV-cache
-        coordinates look like, and the message says so. Returns self."""
+        coordinates look like, and the message says so. `first_row`: the position of row 0 (a block
+        of a longer request). Returns self."""
         layers = layout.computing if layout is not None else list(range(self.num_layers))
-        pos = torch.arange(self.rows)[:, None]
+        pos = torch.arange(first_row, first_row + self.rows)[:, None]
         for slot, layer in enumerate(layers):
             t = self.layer(slot)
             where = f"indexer replay: {_request(self.sample_id)}, model.layers.{layer}"
             below = t < -1
             if below.any():
                 r = int(below.any(1).nonzero()[0, 0])
-                raise ValueError(f"{where}: row {r} selects key {int(t[r][below[r]][0])}, below −1")
+                raise ValueError(f"{where}: row {first_row + r} selects key {int(t[r][below[r]][0])}, below −1")
             late = t > pos
             if late.any():
                 r = int(late.any(1).nonzero()[0, 0])
-                raise ValueError(f"{where}: row {r} selects key {int(t[r][late[r]][0])}, after its own position {r}: "
-                                 f"this looks like KV-cache coordinates, not positions. {SGLANG_BUILD}")
+                raise ValueError(f"{where}: row {first_row + r} selects key {int(t[r][late[r]][0])}, after its own "
+                                 f"position {first_row + r}: this looks like KV-cache coordinates, not positions. "
+                                 f"{SGLANG_BUILD}")
             ordered = t.sort(1).values
             twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
             if twice.any():
                 r = int(twice.any(1).nonzero()[0, 0])
-                raise ValueError(f"{where}: row {r} selects key {int(ordered[r, 1:][twice[r]][0])} twice")
+                raise ValueError(f"{where}: row {first_row + r} selects key {int(ordered[r, 1:][twice[r]][0])} twice")
         return self
 
     # --- sglang ---
@@ -197,7 +203,7 @@ class RequestTopk:
                              f"layers nor {computing} computing layers × (len(tokens) − 1 = {rows}) rows × index_topk {k}")
         t = flat.view(rows, layers, k)
         if layers == all_layers and layers != computing:
-            _check_shared_copies(t, layout, name, shared_mismatch)
+            check_shared_copies(t, layout, name, shared_mismatch)
             t = t[:, layout.computing]
         return cls(t, sample_id).check(layout)
 
@@ -240,15 +246,26 @@ class RequestTopk:
         return req
 
 
-def _check_shared_copies(t: torch.Tensor, layout: ReplayLayout, name: str, on_mismatch: str) -> None:
+def from_store(store, request: str, sample_id: str | None = None) -> RequestTopk:
+    """A request of a compact replay store (model/replay_store.py) as a RequestTopk whose layers are
+    read and decoded one at a time when replay asks for them (each row's keys ascending: the same
+    set, another slot order)."""
+    req = RequestTopk(torch.empty(0, 0, 0, dtype=torch.int32), sample_id if sample_id is not None else request)
+    req.shape = store.shape(request)
+    req._read_layer = lambda slot: store.layer(request, slot)
+    return req
+
+
+def check_shared_copies(t: torch.Tensor, layout: ReplayLayout, name: str, on_mismatch: str,
+                        first_row: int = 0) -> None:
     """sglang fills a shared layer's slot with its source layer's top-k: any difference means the
-    payload's layers are not this model's schedule."""
+    payload's layers are not this model's schedule. `first_row`: the position of t's row 0."""
     for layer, source in enumerate(layout.sources):
         if layer == source:
             continue
         differs = (t[:, layer] != t[:, source]).any(1)
         if differs.any():
-            r = int(differs.nonzero()[0, 0])
+            r = first_row + int(differs.nonzero()[0, 0])
             message = (f"{name}, model.layers.{layer}: row {r} differs from the top-k of model.layers.{source}, which "
                        f"this IndexShare layer reuses (is the payload from a model with another indexer schedule?)")
             if on_mismatch == "error":

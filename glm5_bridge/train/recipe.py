@@ -93,6 +93,9 @@ class RLConfig:
     clip_eps: float = 0.2  # GRPO/PPO ratio clip
     kl_coef: float = 0.0  # KL(policy ‖ reference) penalty; the reference is the base model (LoRA off)
     replay: bool = True  # replay the rollout's indexer top-k when the rollout carries it
+    # stream the rollout file's top-k into a compact store ({output_dir}/replay/) and replay from it
+    # a layer at a time: host memory a block of rows instead of every payload (docs/replay.md)
+    replay_store: bool = False
     # colocated: no rollout file; transformers generates from the policy's merged weights each step
     # (prompts: the embedded arithmetic problems), see train/colocated.py.
     colocated: bool = False

@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 import time
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import torch
 
 from glm5_bridge.model.config import load_hf_config
-from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts, from_store
 from glm5_bridge.model.replay import IndexerReplay
 from glm5_bridge.train.common import adapters_off, token_logprobs, token_nll
 from glm5_bridge.train.data import GlobalBatches, greedy_groups, pack, read_jsonl
@@ -41,7 +42,7 @@ from glm5_bridge.train.run import (check_run_outputs, deterministic_algorithms, 
 class Rollout:
     """One sample of a rollout file, validated."""
 
-    def __init__(self, row: dict, where: str, vocab_size: int, layout: ReplayLayout):
+    def __init__(self, row: dict, where: str, vocab_size: int, layout: ReplayLayout, store=None):
         for key in ("tokens", "loss_mask", "rollout_logprobs"):
             if key not in row:
                 raise ValueError(f"{where}: missing key {key!r}")
@@ -70,8 +71,12 @@ class Rollout:
             raise ValueError(f"{where}: needs 'advantage' or 'reward'")
         self.group = row.get("group", "")
         meta = row.get("meta_info") or {}
-        self.topk = (RequestTopk.from_sglang(meta, layout, n, sample_id=where)
-                     if meta.get("indexer_topk") else None)
+        if meta.get("indexer_topk"):
+            self.topk = RequestTopk.from_sglang(meta, layout, n, sample_id=where)
+        elif store is not None and meta.get("indexer_topk_store"):  # streamed in by load_rollouts
+            self.topk = from_store(store, meta["indexer_topk_store"], sample_id=where)
+        else:
+            self.topk = None
         self.routes = (decode_routed_experts(meta, layout, n, sample_id=where)
                        if meta.get("routed_experts") and layout.moe_topk else None)
 
@@ -100,14 +105,27 @@ def _number(row: dict, key: str, where: str) -> float | None:
     return float(value)
 
 
-def load_rollouts(path, vocab_size: int, layout: ReplayLayout, limit: int = 0) -> list[Rollout]:
-    rows = read_jsonl(path)[: limit or None]
+def load_rollouts(path, vocab_size: int, layout: ReplayLayout, limit: int = 0, store: Path | None = None
+                  ) -> list[Rollout]:
+    """The rollouts of a file, checked. With `store` (a file path), the indexer top-k payloads are
+    streamed into a compact replay store there (model/replay_ingest.py) and replay reads them a
+    layer at a time from it: host memory stays a block of rows, not the payloads."""
+    replay_store = None
+    if store is not None and Path(path).is_file():
+        from glm5_bridge.model.replay_ingest import ingest_rollouts
+        from glm5_bridge.model.replay_store import ReplayStore
+
+        Path(store).parent.mkdir(parents=True, exist_ok=True)
+        rows = ingest_rollouts(path, store, layout)[: limit or None]
+        replay_store = ReplayStore(store)
+    else:
+        rows = read_jsonl(path)[: limit or None]
     if not rows:
         raise ValueError(f"{path}: no rollouts")
     samples = []
     for i, row in enumerate(rows):
         try:
-            samples.append(Rollout(row, f"{path}:{i + 1}", vocab_size, layout))
+            samples.append(Rollout(row, f"{path}:{i + 1}", vocab_size, layout, replay_store))
         except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong kind
             raise ValueError(f"{path}:{i + 1}: malformed rollout ({type(e).__name__}: {e})") from None
     _fill_advantages(samples)
@@ -269,7 +287,12 @@ def _train_rl(recipe: Recipe, stop_after: int | None) -> dict:
     check_run_outputs(recipe)
     hf = load_hf_config(recipe.model.checkpoint)
     t = recipe.train
-    samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit)
+    store = None
+    if recipe.rl.replay_store:  # one store per rank: ranks read the same file, none waits for another
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        store = Path(t.output_dir) / "replay" / f"{Path(recipe.data.train).name}.rank{rank}.r3"
+    samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit,
+                            store)
     warn_topk_beyond_sequences(hf, max(len(s.tokens) for s in samples), "rollout")
     groups = _micro_batches(samples, recipe.data.max_tokens)
     routes = recipe.rl.replay and all(s.routes is not None for s in samples)

@@ -1,0 +1,192 @@
+"""A compact, exact on-disk form of indexer top-k for replay (R3), read one layer and row block at
+a time.
+
+sglang sends every decoder layer's top-k as int32: 78 × 2048 × 4 B ≈ 639 KB per token for
+GLM-5.2. Here a request's top-k is kept per computing layer (IndexShare copies are not stored) in
+blocks of `BLOCK_ROWS` query rows. Attention does not depend on slot order, so a row is a set of
+key positions, and a row is coded as its difference from the row before it: consecutive queries
+select mostly the same keys, and before position `index_topk` a row is its predecessor plus one key.
+A block holds, per row, the number of keys that enter or leave (the XOR of the two rows' key
+bitmaps) and their positions as deltas, both as LEB128 varints, then deflated (zlib level 1).
+Decoding gives each row's keys in ascending order, −1 padded to `index_topk`: the same set.
+
+File layout: the blocks back to back, then a JSON index (per request: rows, index_topk, and per
+computing-layer slot the blocks' (first row, rows, offset, length)), then the index's byte length
+(8 bytes, little endian) and MAGIC.
+
+    with ReplayStoreWriter(path) as w:
+        w.add_rows("req-0", slot=0, first_row=0, rows=block)    # int32 [n, index_topk], −1 padded
+    store = ReplayStore(path)
+    store.layer("req-0", 0)                                      # int32 tensor [rows, index_topk]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MAGIC = b"GLM5R3v1"
+BLOCK_ROWS = 64  # rows per block: a block's bitmap is BLOCK_ROWS × (last row + 1) bytes while coding
+
+
+# ------------------------------------------------------------------------------- varints (LEB128)
+
+def encode_varints(values: np.ndarray) -> bytes:
+    """Non-negative integers < 2**35 as LEB128 (7 bits a byte, high bit = more bytes follow)."""
+    v = np.asarray(values, dtype=np.uint64)
+    nbytes = np.ones(v.shape, dtype=np.int64)
+    for bits in (7, 14, 21, 28):
+        nbytes += v >= (1 << bits)
+    ends = np.cumsum(nbytes)
+    out = np.zeros(int(ends[-1]) if v.size else 0, dtype=np.uint8)
+    starts = ends - nbytes
+    for j in range(5):
+        has = nbytes > j
+        more = (nbytes[has] > j + 1).astype(np.uint8) << 7
+        out[starts[has] + j] = ((v[has] >> np.uint64(7 * j)) & np.uint64(0x7F)).astype(np.uint8) | more
+    return out.tobytes()
+
+
+def decode_varints(data: bytes | np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    """The first `count` LEB128 values of `data` (uint64) and the bytes they took."""
+    b = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) else data
+    if count == 0:
+        return np.zeros(0, dtype=np.uint64), 0
+    last = np.flatnonzero(b < 0x80)[:count]
+    if last.size < count:
+        raise ValueError(f"replay store: {count} varints expected, {last.size} found")
+    used = int(last[-1]) + 1
+    starts = np.concatenate([[0], last[:-1] + 1])
+    place = np.arange(used) - np.repeat(starts, last - starts + 1)
+    parts = (b[:used] & 0x7F).astype(np.uint64) << (np.uint64(7) * place.astype(np.uint64))
+    return np.add.reduceat(parts, starts), used
+
+
+# ------------------------------------------------------------------------------------ a row block
+
+def encode_block(rows: np.ndarray) -> bytes:
+    """int32 [n, index_topk] key positions (−1 = unused; a row's keys distinct) → bytes. The row
+    before the block counts as empty, so a block decodes on its own."""
+    n = rows.shape[0]
+    width = int(rows.max()) + 1 if rows.size and rows.max() >= 0 else 1
+    bitmap = np.zeros((n + 1, width), dtype=bool)
+    r, c = np.nonzero(rows >= 0)
+    bitmap[r + 1, rows[r, c]] = True
+    change_row, change_key = np.nonzero(bitmap[1:] ^ bitmap[:-1])  # row-major: keys ascend within a row
+    counts = np.bincount(change_row, minlength=n)
+    deltas = change_key.astype(np.int64)
+    same_row = np.zeros(deltas.size, dtype=bool)
+    same_row[1:] = change_row[1:] == change_row[:-1]
+    deltas[1:] -= np.where(same_row[1:], change_key[:-1], 0)
+    return zlib.compress(encode_varints(counts) + encode_varints(deltas), 1)
+
+
+def decode_block(blob: bytes, n: int, index_topk: int) -> np.ndarray:
+    """encode_block's rows: int32 [n, index_topk], each row's keys ascending, then −1."""
+    raw = np.frombuffer(zlib.decompress(blob), dtype=np.uint8)
+    counts, used = decode_varints(raw, n)
+    counts = counts.astype(np.int64)
+    deltas, _ = decode_varints(raw[used:], int(counts.sum()))
+    change_row = np.repeat(np.arange(n), counts)
+    before = np.concatenate([[0], np.cumsum(deltas.astype(np.int64))])  # deltas restart at each row
+    keys = before[1:] - np.repeat(before[np.cumsum(counts) - counts], counts)
+    width = int(keys.max()) + 1 if keys.size else 1
+    changes = np.zeros((n, width), dtype=bool)
+    changes[change_row, keys] = True
+    bitmap = np.logical_xor.accumulate(changes, axis=0)
+    r, c = np.nonzero(bitmap)
+    sizes = np.bincount(r, minlength=n)
+    if sizes.max(initial=0) > index_topk:
+        raise ValueError(f"replay store: a row holds {int(sizes.max())} keys, more than index_topk {index_topk}")
+    out = np.full((n, index_topk), -1, dtype=np.int32)
+    out[r, np.arange(r.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = c
+    return out
+
+
+# ------------------------------------------------------------------------------------------ file
+
+class ReplayStoreWriter:
+    """Appends row blocks; the index is written at close. Write to a temporary name and rename
+    (files.atomic_write does not stream), so a reader never sees a partial store."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._f = open(self._tmp, "wb")
+        self._offset = 0
+        self._index: dict[str, dict] = {}
+
+    def add_rows(self, request: str, slot: int, first_row: int, rows: np.ndarray | torch.Tensor) -> None:
+        rows = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        entry = self._index.setdefault(str(request), {"index_topk": int(rows.shape[1]), "rows": 0, "layers": {}})
+        if rows.shape[1] != entry["index_topk"]:
+            raise ValueError(f"replay store: {request}: index_topk {rows.shape[1]}, earlier {entry['index_topk']}")
+        for start in range(0, rows.shape[0], BLOCK_ROWS):
+            part = rows[start:start + BLOCK_ROWS]
+            blob = encode_block(part)
+            self._f.write(blob)
+            entry["layers"].setdefault(str(slot), []).append([first_row + start, part.shape[0], self._offset, len(blob)])
+            self._offset += len(blob)
+        entry["rows"] = max(entry["rows"], first_row + rows.shape[0])
+
+    def close(self) -> Path:
+        index = json.dumps(self._index).encode()
+        self._f.write(index + len(index).to_bytes(8, "little") + MAGIC)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, tb):
+        self.abort() if kind else self.close()
+
+
+class ReplayStore:
+    """Reads a store: a layer of a request (or some of its rows) at a time, from its blocks only."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            f.seek(-16, os.SEEK_END)
+            tail = f.read(16)
+            if tail[8:] != MAGIC:
+                raise ValueError(f"{self.path}: not a glm5-bridge replay store (no {MAGIC!r} at its end)")
+            size = int.from_bytes(tail[:8], "little")
+            f.seek(-16 - size, os.SEEK_END)
+            self.index = json.loads(f.read(size))
+
+    def requests(self) -> list[str]:
+        return list(self.index)
+
+    def shape(self, request: str) -> tuple[int, int, int]:
+        entry = self.index[request]
+        return entry["rows"], len(entry["layers"]), entry["index_topk"]
+
+    def layer(self, request: str, slot: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """int32 [rows, index_topk] of the slot-th computing layer; `rows=(a, b)`: rows a … b−1 only
+        (the blocks that hold them are read, nothing else)."""
+        entry = self.index[request]
+        a, b = rows or (0, entry["rows"])
+        out = np.full((b - a, entry["index_topk"]), -1, dtype=np.int32)
+        with open(self.path, "rb") as f:
+            for first, n, offset, length in entry["layers"][str(slot)]:
+                if first + n <= a or first >= b:
+                    continue
+                f.seek(offset)
+                block = decode_block(f.read(length), n, entry["index_topk"])
+                lo, hi = max(a, first), min(b, first + n)
+                out[lo - a:hi - a] = block[lo - first:hi - first]
+        return torch.from_numpy(out)
