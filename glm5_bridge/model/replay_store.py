@@ -6,8 +6,9 @@ GLM-5.2. Here a request's top-k is kept per computing layer (IndexShare copies a
 blocks of `BLOCK_ROWS` query rows. Attention does not depend on slot order, so a row is a set of
 key positions, and a row is coded as its difference from the row before it: consecutive queries
 select mostly the same keys, and before position `index_topk` a row is its predecessor plus one key.
-A block holds, per row, the number of keys that enter or leave (the XOR of the two rows' key
-bitmaps) and their positions as deltas, both as LEB128 varints, then deflated (zlib level 1).
+A block holds, per row, the number of keys that enter or leave (the symmetric difference of the two
+rows' key sets) and their positions as deltas, both as LEB128 varints, then deflated (zlib level 1);
+coding and decoding work on sorted arrays, O(index_topk) a row whatever the sequence length.
 Decoding gives each row's keys in ascending order, −1 padded to `index_topk`: the same set.
 
 File layout: the blocks back to back, then a JSON index (per request: rows, index_topk, and per
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 
 MAGIC = b"GLM5R3v1"
-BLOCK_ROWS = 64  # rows per block: a block's bitmap is BLOCK_ROWS × (last row + 1) bytes while coding
+BLOCK_ROWS = 64  # rows per block: the unit a reader decodes
 
 
 # ------------------------------------------------------------------------------- varints (LEB128)
@@ -73,38 +74,43 @@ def encode_block(rows: np.ndarray) -> bytes:
     """int32 [n, index_topk] key positions (−1 = unused; a row's keys distinct) → bytes. The row
     before the block counts as empty, so a block decodes on its own."""
     n = rows.shape[0]
-    width = int(rows.max()) + 1 if rows.size and rows.max() >= 0 else 1
-    bitmap = np.zeros((n + 1, width), dtype=bool)
-    r, c = np.nonzero(rows >= 0)
-    bitmap[r + 1, rows[r, c]] = True
-    change_row, change_key = np.nonzero(bitmap[1:] ^ bitmap[:-1])  # row-major: keys ascend within a row
-    counts = np.bincount(change_row, minlength=n)
-    deltas = change_key.astype(np.int64)
-    same_row = np.zeros(deltas.size, dtype=bool)
-    same_row[1:] = change_row[1:] == change_row[:-1]
-    deltas[1:] -= np.where(same_row[1:], change_key[:-1], 0)
+    ordered = np.sort(rows, axis=1)  # −1 first, then the keys ascending
+    counts, changes, previous = np.zeros(n, dtype=np.int64), [], np.zeros(0, dtype=ordered.dtype)
+    for r in range(n):
+        current = ordered[r][ordered[r] >= 0]
+        toggled = np.setxor1d(previous, current, assume_unique=True)  # keys entering or leaving, ascending
+        counts[r] = toggled.size
+        changes.append(np.diff(toggled, prepend=0))  # the first change of a row is absolute
+        previous = current
+    deltas = np.concatenate(changes) if changes else np.zeros(0, dtype=np.int64)
     return zlib.compress(encode_varints(counts) + encode_varints(deltas), 1)
 
 
 def decode_block(blob: bytes, n: int, index_topk: int) -> np.ndarray:
-    """encode_block's rows: int32 [n, index_topk], each row's keys ascending, then −1."""
+    """encode_block's rows: int32 [n, index_topk], each row's keys ascending, then −1. Each row is
+    the row before it with its changes applied to a sorted array: O(index_topk) a row, whatever
+    the sequence length."""
     raw = np.frombuffer(zlib.decompress(blob), dtype=np.uint8)
     counts, used = decode_varints(raw, n)
     counts = counts.astype(np.int64)
     deltas, _ = decode_varints(raw[used:], int(counts.sum()))
-    change_row = np.repeat(np.arange(n), counts)
     before = np.concatenate([[0], np.cumsum(deltas.astype(np.int64))])  # deltas restart at each row
-    keys = before[1:] - np.repeat(before[np.cumsum(counts) - counts], counts)
-    width = int(keys.max()) + 1 if keys.size else 1
-    changes = np.zeros((n, width), dtype=bool)
-    changes[change_row, keys] = True
-    bitmap = np.logical_xor.accumulate(changes, axis=0)
-    r, c = np.nonzero(bitmap)
-    sizes = np.bincount(r, minlength=n)
-    if sizes.max(initial=0) > index_topk:
-        raise ValueError(f"replay store: a row holds {int(sizes.max())} keys, more than index_topk {index_topk}")
+    ends = np.cumsum(counts)
+    keys = before[1:] - np.repeat(before[ends - counts], counts)
     out = np.full((n, index_topk), -1, dtype=np.int32)
-    out[r, np.arange(r.size) - np.repeat(np.cumsum(sizes) - sizes, sizes)] = c
+    current = np.zeros(0, dtype=np.int64)
+    for r in range(n):
+        changes = keys[ends[r] - counts[r]:ends[r]]
+        if changes.size:
+            at = np.searchsorted(current, changes)
+            present = at < current.size
+            present[present] = current[at[present]] == changes[present]
+            kept = np.delete(current, at[present])
+            entering = changes[~present]
+            current = np.insert(kept, np.searchsorted(kept, entering), entering)
+        if current.size > index_topk:
+            raise ValueError(f"replay store: a row holds {current.size} keys, more than index_topk {index_topk}")
+        out[r, :current.size] = current
     return out
 
 
