@@ -212,13 +212,16 @@ def _mount_point(path: Path) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write a small text file so that readers see the old content or the new, never a part."""
+@contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "wb"):
+    """A file opened for writing under a temporary name beside `path`, fsynced and renamed onto
+    `path` when the block ends: readers see the old content or the new, never a part. An exception
+    in the block removes the temporary and leaves `path` as it was."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -226,7 +229,13 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write a small text file so that readers see the old content or the new, never a part."""
+    with atomic_file(path, "w") as f:
+        f.write(text)
+    return Path(path)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

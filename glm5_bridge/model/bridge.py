@@ -202,9 +202,7 @@ class AutoBridge(MegatronAutoBridge):
             bridge = cls.from_hf_config(GlmMoeDsaConfig(**source.config))
             bridge.config_only_source = source.name
             return bridge
-        bridge = super().from_hf_pretrained(str(source.folder), **kwargs)
-        bridge.weights_folder = source.folder
-        return bridge
+        return super().from_hf_pretrained(str(source.folder), **kwargs)
 
     def to_megatron_provider(self, load_weights: bool = True, hf_path=None):
         source = getattr(self, "config_only_source", None)
@@ -213,7 +211,8 @@ class AutoBridge(MegatronAutoBridge):
                              "downloaded checkpoint (or load_weights=False for a randomly initialised model)")
         provider = super().to_megatron_provider(load_weights, hf_path)
         if load_weights and isinstance(provider, GLM5ModelProvider):
-            provider.weights_source = str(hf_path or getattr(self, "weights_folder", None) or "the checkpoint")
+            loaded_from = hf_path or getattr(getattr(self, "hf_pretrained", None), "model_name_or_path", None)
+            provider.weights_source = str(loaded_from or "the checkpoint")
         return provider
 
 

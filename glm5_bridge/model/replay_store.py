@@ -26,10 +26,13 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from glm5_bridge.files import atomic_file
 
 MAGIC = b"GLM5R3v1"
 BLOCK_ROWS = 64  # rows per block: the unit a reader decodes
@@ -117,13 +120,13 @@ def decode_block(blob: bytes, n: int, index_topk: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------ file
 
 class ReplayStoreWriter:
-    """Appends row blocks; the index is written at close. Write to a temporary name and rename
-    (files.atomic_write does not stream), so a reader never sees a partial store."""
+    """Appends row blocks; the index is written at close. The file is written under a temporary
+    name and renamed at close (files.atomic_file), so a reader never sees a partial store."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self._f = open(self._tmp, "wb")
+        self._stack = ExitStack()
+        self._f = self._stack.enter_context(atomic_file(self.path))
         self._offset = 0
         self._index: dict[str, dict] = {}
 
@@ -143,21 +146,17 @@ class ReplayStoreWriter:
     def close(self) -> Path:
         index = json.dumps(self._index).encode()
         self._f.write(index + len(index).to_bytes(8, "little") + MAGIC)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self._tmp, self.path)
+        self._stack.close()  # fsync, rename into place
         return self.path
-
-    def abort(self) -> None:
-        self._f.close()
-        self._tmp.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, error, tb):
-        self.abort() if kind else self.close()
+        if kind is None:
+            self.close()
+            return False
+        return self._stack.__exit__(kind, error, tb)  # the temporary is removed, the error goes on
 
 
 class ReplayStore:
