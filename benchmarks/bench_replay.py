@@ -19,8 +19,7 @@ Peak memory: a fresh process opens the store and loads one whole layer (the larg
 reads at once); its resident size while loading (sampled every 2 ms) beyond that just before, against
 the slice's bytes and the bound 1.25 × slice + 1 GiB.
 
-Ingest (`--ingest-tokens`, default 8K; a 64K line is 54 GB of base64, longer than this machine's
-budget): one rollout line in sglang's form, every decoder layer, produced while it is read, streamed
+Ingest (`--ingest-tokens`, default 8K; a 64K line is 54 GB of base64 and ~7 min on 2 cores): one rollout line in sglang's form, every decoder layer, produced while it is read, streamed
 by `replay_ingest.ingest_rollouts` in a fresh process; GB/s count the payload's int32 bytes, and
 its resident size while ingesting (sampled) beyond that before. Prints one RESULT line per row; --out
 gets them all.

@@ -5,6 +5,6 @@
 
 import sys
 
-from glm5_bridge.cli import main
+from glm5_bridge.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,8 +24,23 @@ def _convert(args):
 
 
 def _parity(args):
-    from glm5_bridge.parity import logits_parity
+    from glm5_bridge.parity import logits_parity, logprob_parity
 
+    if args.lengths:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        result = logprob_parity(args.checkpoint, lengths, dtype=args.dtype, backend=args.backend, run=args.run,
+                                hf=args.hf, adapter=args.adapter)
+        for key in ("megatron_vs_hf_fp32", "megatron_vs_hf_same_dtype", "floor_hf_bf16_vs_fp32"):
+            s = result[key]
+            print(f"{key:28s} |Δ log p| max {s['max']:.3e}  p99 {s['p99']:.3e}  median {s['median']:.3e}")
+        ratio = result["max_over_floor_max"]
+        print(f"{result['tokens']} tokens in {len(lengths)} packed sequences, {args.dtype}, {args.backend}; "
+              f"max / floor max = {ratio:.2f}" if ratio is not None else "floor is 0")
+        if args.json:
+            from glm5_bridge.files import atomic_write_text
+
+            atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+        return 0 if ratio is None or ratio <= args.floor_ratio else 1
     diff = logits_parity(args.checkpoint, seq_len=args.seq_len, batch=args.batch)
     print(f"max |logits(Megatron) - logits(transformers)| = {diff:.3e}  (seq_len {args.seq_len})")
     return 0 if diff <= args.tol else 1
@@ -34,6 +50,13 @@ def _make_tiny(args):
     from glm5_bridge.tiny import make_tiny_checkpoint
 
     print(make_tiny_checkpoint(args.variant, args.dst, seed=args.seed, overwrite=args.overwrite))
+
+
+def _make_slice(args):
+    from glm5_bridge.slice import make_slice_checkpoint
+
+    print(make_slice_checkpoint(args.variant, args.dst, layers=args.layers, experts=args.experts, seed=args.seed,
+                                overwrite=args.overwrite))
 
 
 def _train(args):
@@ -179,6 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=at_least(1), default=64, help="tokens per sequence")
     p.add_argument("--batch", type=at_least(1), default=2, help="sequences")
     p.add_argument("--tol", type=at_least(0.0, float), default=1e-5, help="largest acceptable max |logit difference|")
+    g = p.add_argument_group("next-token log-probs on packed sequences (--lengths): Megatron in --dtype against "
+                             "transformers in fp32, next to the floor: transformers bf16 vs fp32")
+    g.add_argument("--lengths", help="comma-separated sequence lengths packed into one micro-batch, e.g. 4608,3584")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="Megatron's compute dtype")
+    g.add_argument("--backend", choices=["megatron", "tilelang"], default="megatron", help="DSA attention backend")
+    g.add_argument("--run", help="Megatron side: a training run folder (latest checkpoint, adapters on)")
+    g.add_argument("--hf", help="transformers side: this HF folder instead of CHECKPOINT (e.g. a merged export)")
+    g.add_argument("--adapter", help="transformers side: a PEFT adapter folder on top")
+    g.add_argument("--json", help="write the numbers here")
+    g.add_argument("--floor-ratio", type=at_least(0.0, float), default=2.0,
+                   help="exit 1 if max |Δ log p| exceeds this multiple of the floor's max")
     p.set_defaults(fn=_parity)
 
     p = sub.add_parser("train", help="run a YAML recipe (LoRA SFT or LoRA RL)",
@@ -230,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if glm5-bridge wrote it")
     p.set_defaults(fn=_make_tiny)
 
+    p = sub.add_parser("make-slice", help="write a random GLM-5.x HF checkpoint at real width with fewer layers",
+                       description="The preset's exact config (real widths, vocab, IndexShare schedule, MTP layer) "
+                                   "with the first LAYERS decoder layers and optionally fewer routed experts; bf16 "
+                                   "shards with an index, weights at a trained model's scale (glm5_bridge/slice.py).")
+    p.add_argument("variant", choices=["GLM-5", "GLM-5.1", "GLM-5.2"], help="whose config to copy")
+    p.add_argument("dst", help="output folder (new or empty unless --overwrite)")
+    p.add_argument("--layers", type=at_least(1), required=True, help="decoder layers (the first N of the schedule)")
+    p.add_argument("--experts", type=at_least(1), default=None, help="routed experts per MoE layer (default: the preset's)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="random weights' seed")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if glm5-bridge wrote it")
+    p.set_defaults(fn=_make_slice)
+
     p = sub.add_parser("demo", help="the main job on the embedded default (tiny GLM-5.2), end to end",
                        description="Make a tiny GLM-5.2, convert it to Megatron and back (checked against "
                                    "transformers), LoRA-SFT it on an embedded task (more 0s or 1s?), export the merged "
@@ -278,6 +324,9 @@ def start_process(debug: bool = False) -> None:
     """What a glm5-bridge process does after parsing its arguments: upstream notices quieted, our
     bridge registered, the CPU / no-TE workarounds where they apply (the conversion scripts too)."""
     quiet_upstream_notices(debug)
+    from glm5_bridge.process_stats import record_at_exit
+
+    record_at_exit()  # only when $GLM5_BRIDGE_STATS names a file (benchmarks/real_width.py)
     import glm5_bridge  # after argparse and the filters: --help stays instant and quiet
 
     glm5_bridge.register()
@@ -327,5 +376,17 @@ def main(argv=None) -> int:
     return run_command(f"glm5-bridge {args.command}", lambda: args.fn(args), args.debug)
 
 
+def entry() -> int:
+    """The process entry point (`glm5-bridge`, `python -m glm5_bridge`): main, then the process
+    group closed (NCCL warns at exit about one left open). Not in main(): the tests call main in a
+    process whose gloo group outlives it."""
+    code = main()
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

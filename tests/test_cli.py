@@ -72,7 +72,7 @@ def test_preset_without_weights_says_so_in_one_line():
     assert "'GLM-5.2' has a config but no weights here" in str(err.value) and "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("command", ["convert", "parity", "make-tiny", "demo", "train", "export", "plan"])
+@pytest.mark.parametrize("command", ["convert", "parity", "make-tiny", "make-slice", "demo", "train", "export", "plan"])
 def test_every_subcommand_explains_itself(command):
     out = subprocess.run([sys.executable, "-m", "glm5_bridge.cli", command, "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: glm5-bridge " + command in out.stdout

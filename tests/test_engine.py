@@ -63,7 +63,8 @@ def _max_diff(a: list[dict], b: list[dict], key: str = "loss") -> float:
 
 def _timeless(history: list[dict]) -> list[dict]:
     """Everything a step reports but its speed."""
-    return [{k: v for k, v in h.items() if k != "tokens_per_s"} for h in history]
+    return [{k: v for k, v in h.items() if k not in ("tokens_per_s", "step_seconds", "tflops_per_gpu", "mfu")}
+            for h in history]
 
 
 def _truncated(src: Path, dst: Path, step: int) -> Path:

@@ -46,7 +46,7 @@ def test_wheel_carries_data_recipes_and_entry_point(wheel):
                    "glm5_bridge/model/presets/GLM-5.2.json", "glm5_bridge/kernels/sparse_mla_fwd.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "glm5-bridge = glm5_bridge.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "glm5-bridge = glm5_bridge.cli:entry" in zipfile.ZipFile(wheel).read(entry).decode()
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
 
 

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from glm5_bridge.hf import fuse
-from glm5_bridge.model.payload import ReplayLayout, RequestTopk
+from glm5_bridge.model.payload import ReplayLayout, RequestTopk, encode_routed_experts
 from glm5_bridge.train.data import arithmetic_problems, load_tokenizer
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.rl import Rollout, _fill_advantages, rl_step, rollout_batch
@@ -36,34 +36,51 @@ def sync_weights(bridge, model, hf_model) -> None:
 class IndexerCapture:
     """Hooks every indexer of a transformers GlmMoeDsa model and assembles, per generated request,
     its top-k: int32 [len(tokens) − 1, computing layers, index_topk], request-local key positions,
-    −1 padded (`RequestTopk.to_sglang(capture.layout)` gives sglang's every-layer form)."""
+    −1 padded (`RequestTopk.to_sglang(capture.layout)` gives sglang's every-layer form). With
+    `routes`, every MoE router's chosen experts too (`routed_experts`: [len(tokens) − 1, MoE layers,
+    num_experts_per_tok]), as sglang's routed-experts capture sends them."""
 
-    def __init__(self, hf_model, dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_model, dtype: torch.dtype = torch.float32, routes: bool = False):
         self.indexers = [layer.self_attn.indexer for layer in hf_model.model.layers if layer.self_attn.indexer is not None]
+        self.gates = [layer.mlp.gate for layer in hf_model.model.layers if getattr(layer.mlp, "gate", None) is not None] \
+            if routes else []
         self.layout = ReplayLayout.from_hf_config(hf_model.config)
         self.topk = self.layout.index_topk
         self.dtype = dtype
         self.rows: list[list[torch.Tensor]] = []
+        self.route_rows: list[list[torch.Tensor]] = []
 
     @contextmanager
     def capturing(self):
         self.rows = [[] for _ in self.indexers]
+        self.route_rows = [[] for _ in self.gates]
         originals = [ix.forward for ix in self.indexers]
         for slot, ix in enumerate(self.indexers):
             ix.forward = self._wrap(slot, ix, originals[slot])
+        # the router returns (logits, weights, expert ids [tokens, top-k]) for the newest tokens
+        hooks = [gate.register_forward_hook(lambda _m, _a, out, j=j: self.route_rows[j].append(out[2].to(torch.int32).cpu()))
+                 for j, gate in enumerate(self.gates)]
         try:
             yield self
         finally:
             for ix, fwd in zip(self.indexers, originals):
                 ix.forward = fwd
+            for h in hooks:
+                h.remove()
+
+    def routed_experts(self, num_tokens: int) -> torch.Tensor:
+        """int32 [num_tokens − 1, MoE layers, num_experts_per_tok] of the request just generated."""
+        return torch.stack([torch.cat(rows)[: num_tokens - 1] for rows in self.route_rows], dim=1)
 
     def _wrap(self, slot, indexer, forward):
         low_precision = self.dtype != torch.float32
 
+        device_type = next(indexer.parameters()).device.type
+
         def captured(*args, **kwargs):
             # autocast runs the indexer's projections and score matmuls in the engine-like dtype
             # without touching its fp32 weights.
-            with torch.autocast("cpu", dtype=self.dtype, enabled=low_precision):
+            with torch.autocast(device_type, dtype=self.dtype, enabled=low_precision):
                 idx = forward(*args, **kwargs)
             self.rows[slot].append(self._padded(idx[0]))
             return idx
@@ -104,7 +121,7 @@ def generate_rollouts(hf_model, tokenizer, problems, capture: IndexerCapture, ma
         prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
         with capture.capturing(), torch.no_grad():
             torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=True,
+            out = hf_model.generate(torch.tensor([prompt], device=hf_model.device), max_new_tokens=max_new_tokens, do_sample=True,
                                     temperature=1.0, top_k=0, top_p=1.0, output_scores=True,
                                     return_dict_in_generate=True, eos_token_id=tokenizer.eos_token_id,
                                     pad_token_id=tokenizer.eos_token_id)
@@ -114,10 +131,12 @@ def generate_rollouts(hf_model, tokenizer, problems, capture: IndexerCapture, ma
             logprobs = [0.0] * len(prompt) + [torch.log_softmax(s[0].float(), -1)[t].item()
                                               for s, t in zip(out.scores, completion)]
             payload = capture.payload(len(tokens))
+            routes = ({"routed_experts": encode_routed_experts(capture.routed_experts(len(tokens)), capture.layout)}
+                      if capture.gates else {})
         row = {"tokens": tokens, "loss_mask": [0] * len(prompt) + [1] * len(completion),
                "rollout_logprobs": logprobs, "reward": answer_reward(tokenizer, problem, completion),
                "group": problem["messages"][0]["content"],
-               "meta_info": {**payload.to_sglang(capture.layout), "prompt_tokens": len(prompt),
+               "meta_info": {**payload.to_sglang(capture.layout), **routes, "prompt_tokens": len(prompt),
                              "completion_tokens": len(completion)}}
         rows.append(row)
     return rows

@@ -73,7 +73,7 @@ class Engine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.utils import get_model_config
+        from megatron.core.utils import get_model_config, unwrap_model
 
         from glm5_bridge.model.bridge import AutoBridge
         from glm5_bridge.model.source import resolve
@@ -105,8 +105,9 @@ class Engine:
         if m.pipeline_model_parallel_size > 1 and recipe.data.max_tokens % m.tensor_model_parallel_size:
             raise ValueError(f"data.max_tokens {recipe.data.max_tokens} must be a multiple of TP "
                              f"{m.tensor_model_parallel_size} under pipeline parallelism")
-        if m.bf16:
-            fields.update(bf16=True, params_dtype=torch.bfloat16)
+        # Always set: megatron-bridge takes the HF config's dtype, so a bf16 checkpoint (every real
+        # one) would otherwise build bf16 parameters under an fp32 recipe and its fp32 optimizer.
+        fields.update(bf16=m.bf16, params_dtype=torch.bfloat16 if m.bf16 else torch.float32)
         fields.update(provider_overrides)
         for key, value in fields.items():
             setattr(provider, key, value)
@@ -121,8 +122,11 @@ class Engine:
                                                     use_cpu_initialization=self.device.type == "cpu")
         if len(chunks) != 1:
             raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported")
-        init_adapters_by_name(chunks[0], t.seed)  # the same adapters at every layout
-        self.params = lora_parameters(chunks[0])
+        # Names as checkpoints know them: a bf16 chunk is wrapped in megatron's Float16Module, whose
+        # parameter names gain "module." while its (sharded) state dict keeps the inner names.
+        inner = unwrap_model(chunks[0])
+        init_adapters_by_name(inner, t.seed)  # the same adapters at every layout and precision
+        self.params = lora_parameters(inner)
         # megatron-bridge's own DDP wrapper opens CUDA streams; megatron-core's DDP needs none unless
         # it overlaps communication, which it does not here.
         ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=t.use_distributed_optimizer)

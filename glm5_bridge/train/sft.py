@@ -91,6 +91,7 @@ def train_sft(recipe: Recipe, stop_after: int | None = None) -> dict:
 def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
     from glm5_bridge.model.validate import validate_checkpoint
     from glm5_bridge.train.engine import Engine, data_parallel_info
+    from glm5_bridge.train.flops import step_rate
     from glm5_bridge.train.plan import check_recipe_fits
 
     # Inputs first (cheap, one-line errors), then the layout against the GPU, then the model.
@@ -119,7 +120,8 @@ def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
         seconds = time.perf_counter() - t0
         record = {"step": step + 1, "loss": m["nll_sum"] / max(m["loss_tokens"], 1.0), "grad_norm": m["grad_norm"],
                   "lr": m["lr"], "tokens": int(m["tokens"]), "loss_tokens": int(m["loss_tokens"]),
-                  "tokens_per_s": m["tokens"] / seconds}
+                  "tokens_per_s": m["tokens"] / seconds, "step_seconds": seconds,
+                  **step_rate(hf, micro_batches, seconds)}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             v, _ = engine.forward_only([engine.fit(b) for b in valid_batches], sft_loss, METRICS)
             record["valid_loss"] = v["nll_sum"] / max(v["loss_tokens"], 1.0)
