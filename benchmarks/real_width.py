@@ -12,7 +12,7 @@ short keeps what it measured, and a rerun with the same --work skips steps alrea
   convert  HF → Megatron → HF, every tensor compared bit for bit (dtype included)
   parity   bf16 Megatron (tilelang) vs transformers fp32 next-token log-probs on 2 packed sequences
            (4608 + 3584 tokens, both longer than top-k 2048), next to the floor transformers bf16 vs fp32
-  train    LoRA SFT on long chats (running sums, ~500–6000 tokens each), data.max_tokens 8192, with
+  train    LoRA SFT on long chats (running sums, ~700–7300 tokens each), data.max_tokens 8192, with
            the fused kernels: loss, tokens/s, peak GPU memory, TFLOP/s and MFU (train/flops.py says
            which FLOPs)
   export   that run exported merged and as a PEFT adapter; parity of the trained Megatron model
