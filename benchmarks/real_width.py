@@ -250,8 +250,11 @@ class Bench:
             proc = run_cli(["export", str(run), str(dst), "--kind", kind, "--overwrite"], self.log(f"export_{kind}"))
             extra = ["--run", str(run)] + (["--hf", str(dst)] if kind == "merged" else ["--adapter", str(dst)])
             out[kind] = {"export": {**proc, "gb": folder_gb(dst)}, "parity": self.parity(f"parity_{kind}", extra)}
+            self.results["export_partial"] = out  # a cut-short run keeps the kind it finished
+            self.save()
             if kind == "merged":
                 shutil.rmtree(dst)
+        self.results.pop("export_partial", None)
         return out
 
     def step_rl(self):

@@ -115,7 +115,7 @@ def _export(args):
 
 def _plan(args):
     from glm5_bridge.model.config import load_hf_config
-    from glm5_bridge.train.plan import GPU_MEMORY_GIB, Plan, count_parameters, memory_per_gpu, verdict
+    from glm5_bridge.train.plan import GPU_MEMORY_GIB, Plan, count_parameters, longest_sequence, memory_per_gpu, verdict
 
     c = load_hf_config(args.model)
     counts = count_parameters(c)
@@ -132,6 +132,7 @@ def _plan(args):
     if gib:
         fits, line = verdict(c, plan, gib)
         print(f"{args.gpu or 'GPU'}: {line}")
+        print(f"longest micro-batch this layout fits: {longest_sequence(c, plan, gib):,} tokens")
         return 0 if fits else 1
 
 

@@ -27,6 +27,7 @@ LAYOUTS = {
     "pp2": ["model.pipeline_model_parallel_size=2", "model.pipeline_stage_layers=[6,1]"],
     "tp2": ["model.tensor_model_parallel_size=2"],
     "ep2": ["model.expert_model_parallel_size=2"],
+    "cp2": ["model.context_parallel_size=2"],
     "dp2_distributed_optimizer": ["train.use_distributed_optimizer=true"],
 }
 

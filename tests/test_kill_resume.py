@@ -31,7 +31,7 @@ import torch
 import _checked
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, SAVE_EVERY, KILLS = 12, 2, 5
+STEPS, SAVE_EVERY, KILLS = 12, 2, 3
 PROGRESS = re.compile(rb"step (\d+)/%d\b" % STEPS)  # runlog's lines when stdout is not a terminal
 
 

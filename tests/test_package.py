@@ -64,4 +64,24 @@ def test_installed_wheel_runs_the_demo_outside_the_tree(wheel, tmp_path):
     assert version.strip() == "glm5-bridge 0.1.0"
     demo = _run(venv / "bin" / "glm5-bridge", "demo", "--workdir", work / "demo", cwd=work)
     assert "DEMO OK" in demo.stdout
-    assert not (work / "glm5_bridge").exists() and (work / "demo" / "summary.json").is_file()
+    assert not (work / "glm5_bridge").exists()
+    check_demo_outputs(work / "demo")
+
+
+def check_demo_outputs(workdir: Path) -> None:
+    """The README's main job (glm5-bridge demo, run above from the installed wheel): every stage ran
+    and its checks hold."""
+    import json
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["heldout_exact_match_before"] <= 0.1 and summary["heldout_exact_match_after"] >= 0.8
+    assert summary["convert_logits_max_abs_diff"] <= 1e-5
+    assert summary["convert_tensors_bit_identical"] == "310/310"
+    assert summary["export_logits_max_abs_diff"] <= 5e-5  # fp32 reordering, see demo.py
+    assert summary["sft_loss_last"] < summary["sft_loss_first"]
+    assert len(summary["answers"]) == 5 and (workdir / "sft" / "loss.png").is_file()
+    # the merged export carries its model card: base, LoRA, final metrics, recipe
+    (card,) = (workdir / "sft").glob("export_*/README.md")
+    text = card.read_text()
+    assert f'base_model: "{(workdir / "hf").resolve()}"' in text and "library_name: transformers" in text
+    assert "- LoRA: dim 16, alpha 32" in text and "- After step 60: loss " in text and "## Recipe" in text

@@ -1,10 +1,10 @@
 """benchmarks/real_width.py --small: the real-width benchmark's steps on a CPU at the tiny widths
-(fp32, unfused backend), each a real `python -m glm5_bridge …` process as on the GPU. Checks that
-the driver's numbers come out and are right where a CPU can say: the loss falling, and the
-next-token log-probs of the trained Megatron model against its merged export and its PEFT adapter
-reloaded in transformers (≤ 2e-5 in fp32). The RL step's rollouts (IndexerCapture with routes) are
-checked in-process below; RL from such a file is test_engine's and test_rl's. The GPU run
-(scripts/real_width.sh) measures bf16, the fused kernels and the rest."""
+(fp32, unfused backend), each a real `python -m glm5_bridge …` process as on the GPU. The CPU
+suite runs the make-slice and train steps (the loss falls; the step records carry TFLOP/s); the
+parity the export step runs is checked in-process (test_slice.py), the exports themselves by
+test_export.py, the RL step's rollouts (IndexerCapture with routes) below, RL from such a file by
+test_engine.py and test_rl.py. The GPU run (scripts/real_width.sh) measures bf16, the fused kernels
+and the rest; all steps ran on a CPU while it was written (docs/real_width.md)."""
 
 import json
 import subprocess
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_real_width_driver_on_cpu(tmp_path):
     out = tmp_path / "real_width.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "real_width.py"), "--small", "--work", str(tmp_path / "work"),
-           "--out", str(out), "--steps", "slice,train,export", "--lengths", "40,30", "--train-steps", "4",
+           "--out", str(out), "--steps", "slice,train", "--lengths", "40,30", "--train-steps", "4",
            "--max-tokens", "512", "--chats", "16", "--chat-numbers", "2,6", "--lr", "3e-3"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -25,9 +25,6 @@ def test_real_width_driver_on_cpu(tmp_path):
     assert r["slice"]["config"]["indexer_types"] == ["full", "full", "full", "shared"]
     train = r["train"]["unfused"]
     assert train["steps"] == 4 and train["loss_last"] < train["loss_first"] and train["tflops_per_gpu"] > 0
-    for kind in ("merged", "adapter"):
-        p = r["export"][kind]["parity"]
-        assert p["dtype"] == "float32" and p["tokens"] == 70 and p["megatron_vs_hf_fp32"]["max"] <= 2e-5
     assert "| train | unfused |" in subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_width.py"), "--out",
                                                  str(out), "--table"], capture_output=True, text=True).stdout
 

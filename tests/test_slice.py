@@ -85,3 +85,20 @@ def test_fp32_recipe_on_a_bf16_checkpoint_trains_in_fp32(small_slice, tmp_path):
     batch = pack([(list(range(5, 45)), [0] * 10 + [1] * 30)], 256)
     m = engine.step([engine.fit(batch)], sft_loss, ["nll_sum", "loss_tokens"])
     assert math.isfinite(m["nll_sum"]) and m["loss_tokens"] == 30 and m["grad_norm"] > 0
+
+
+def test_a_bf16_run_exports_and_resumes(tiny_checkpoint, tmp_path):
+    """model.bf16: megatron wraps the chunk in Float16Module, whose parameter names gain "module.";
+    the adapters must still be found in the run's checkpoint (the export on the GPU failed with
+    'checkpoint lacks adapter module.decoder…' before the engine named them on the inner chunk)."""
+    from glm5_bridge.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", "tiny_lora_sft", f"model.checkpoint={tiny_checkpoint('GLM-5.2')}", "model.bf16=true",
+            "train.steps=1", "train.save_every=1", "data.limit=8", "data.max_tokens=128", "lora.dim=4",
+            f"train.output_dir={run}", "export.kind=none", "train.tensorboard_dir=none"]
+    assert main(args) == 0
+    assert main(["export", str(run), str(tmp_path / "adapter"), "--kind", "adapter"]) == 0
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert main([*args, "train.steps=2"]) == 0  # resumes from step 1
+    assert [h["step"] for h in json.loads((run / "history.json").read_text())] == [1, 2]

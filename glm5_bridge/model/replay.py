@@ -158,6 +158,11 @@ def _in_backward() -> bool:
     return task is None or task() != -1
 
 
+def in_session(carrier: tuple) -> bool:
+    """Whether a record / replay session applies to this layer call (its micro-batch's carrier)."""
+    return _bound(carrier) is not None
+
+
 def _bound(carrier: tuple) -> _Bound | None:
     """The session for this layer call, bound to the micro-batch's carrier (see module doc)."""
     obj = next((c for c in carrier if c is not None), index_share._fallback)  # the object IndexShare uses

@@ -34,10 +34,11 @@ from glm5_bridge import compat
 
 
 def data_parallel_info() -> tuple[int, int]:
-    """(rank, size) of this process in the data-parallel group (CP included)."""
+    """(rank, size) of this process among the ranks that train different micro-batches (data
+    parallel; the context-parallel ranks of one replica share micro-batches and split their tokens)."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    group = parallel_state.get_data_parallel_group()
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
@@ -92,7 +93,12 @@ class Engine:
                       sequence_parallel=m.tensor_model_parallel_size > 1,
                       pipeline_model_parallel_size=m.pipeline_model_parallel_size,
                       expert_model_parallel_size=m.expert_model_parallel_size,
+                      context_parallel_size=m.context_parallel_size,
                       calculate_per_token_loss=True)
+        if m.context_parallel_size > 1:
+            if recipe.task != "sft":
+                raise NotImplementedError("model.context_parallel_size > 1 runs LoRA SFT only for now (RL: not yet)")
+            fields["cp_comm_type"] = "allgather"  # megatron's DSA check; our core gathers kv rows itself
         if m.pipeline_stage_layers:
             stages = list(m.pipeline_stage_layers)
             if len(stages) != m.pipeline_model_parallel_size or sum(stages) != provider.num_layers:
@@ -154,11 +160,17 @@ class Engine:
         or EP with the all-gather token dispatcher (the CPU's: EP ranks gather equal shapes)."""
         from glm5_bridge.train.data import padded
 
-        m, tp = self.recipe.model, self.recipe.model.tensor_model_parallel_size
+        from glm5_bridge.train.data import pad_each_sequence
+
+        m, tp, cp = self.recipe.model, self.recipe.model.tensor_model_parallel_size, self.recipe.model.context_parallel_size
+        unit = tp
+        if cp > 1:  # each sequence splits into 2·CP equal chunks, each rank's share a multiple of TP
+            unit = 2 * cp * tp
+            batch = pad_each_sequence(batch, unit)
         gathered_experts = m.expert_model_parallel_size > 1 and self.config.moe_token_dispatcher_type == "allgather"
         if m.pipeline_model_parallel_size > 1 or gathered_experts:
-            return padded(batch, self.recipe.data.max_tokens)
-        return padded(batch, -(-batch.num_tokens // tp) * tp)
+            return padded(batch, -(-max(self.recipe.data.max_tokens, batch.num_tokens) // unit) * unit)
+        return padded(batch, -(-batch.num_tokens // unit) * unit)
 
     @property
     def chunk(self):
@@ -211,7 +223,15 @@ class Engine:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator).to(device)
-            psp = batch.packed_seq_params(device)
+            psp = batch.packed_seq_params(device)  # the whole sequences, under CP too
+            if self.recipe.model.context_parallel_size > 1:  # this rank's chunks of every sequence
+                from megatron.core import parallel_state
+
+                from glm5_bridge.model.attention.context_parallel import local_rows
+
+                rows = local_rows(tuple(batch.lengths), parallel_state.get_context_parallel_world_size(),
+                                  parallel_state.get_context_parallel_rank(), device)
+                batch = batch.take(rows)
             with context(batch, psp, model) if context else contextlib.nullcontext():
                 output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
                                packed_seq_params=psp)
@@ -268,10 +288,10 @@ def _initialize_model_parallel(provider, seed: int) -> None:
     from megatron.core import parallel_state as ps
 
     wanted = (provider.tensor_model_parallel_size, provider.pipeline_model_parallel_size,
-              provider.expert_model_parallel_size)
+              provider.expert_model_parallel_size, provider.context_parallel_size)
     if ps.model_parallel_is_initialized():
         held = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size())
+                ps.get_expert_model_parallel_world_size(), ps.get_context_parallel_world_size())
         if held == wanted:
             _seed(seed)
             return

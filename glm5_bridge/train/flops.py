@@ -80,7 +80,7 @@ def peak_flops(device_name: str) -> float | None:
 
 def step_rate(c, micro_batches: list, seconds: float) -> dict:
     """Model FLOP rate of one training step: this rank's micro-batches' `lora_step` FLOPs (real
-    sequences; a padding segment is not counted), summed over the data-parallel ranks, over the
+    sequences; a padding segment is not counted, context parallel's pads at sequence ends are), summed over the data-parallel ranks, over the
     step's seconds and every GPU of the job → {"tflops_per_gpu"} (+ "mfu" on a GPU whose peak is
     known). Collective over the job's ranks."""
     import torch
@@ -89,14 +89,14 @@ def step_rate(c, micro_batches: list, seconds: float) -> dict:
 
     total = 0
     for batch in micro_batches:
-        lengths = batch.lengths[:-1] if getattr(batch, "padding", 0) else batch.lengths
+        lengths = batch.lengths[:-1] if getattr(batch, "padding_segment", 0) else batch.lengths
         total += step_flops(c, list(lengths))["lora_step"]
     from megatron.core import parallel_state
 
     summed = torch.tensor([float(total)], dtype=torch.float64)
     if data_parallel_info()[1] > 1:  # every DP rank trains its own micro-batches; the others share them
         summed = summed.to("cuda" if torch.cuda.is_available() else "cpu")
-        torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group())
     per_gpu = summed.item() / seconds / torch.distributed.get_world_size()
     out = {"tflops_per_gpu": per_gpu / 1e12}
     peak = peak_flops(torch.cuda.get_device_name()) if torch.cuda.is_available() else None

@@ -108,6 +108,9 @@ def memory_per_gpu(c, plan: Plan) -> dict[str, float]:
     layer_ws = (full_tokens * heads_local * (576 + 512 + c.qk_nope_head_dim + c.v_head_dim) * 2  # q, out, up-proj
                 + full_tokens * c.index_topk * 8  # top-k indices (int64)
                 + full_tokens * c.num_experts_per_tok * c.hidden_size * 2 * 2 / plan.tp)  # MoE dispatch in/out
+    if plan.cp > 1:  # one layer's gathered sequence: latent kv and indexer keys, and the queries' global-row buffers
+        index_q = c.index_n_heads * (c.index_head_dim + 1)
+        layer_ws += plan.seq_len * (c.kv_lora_rank + (c.qk_head_dim - c.qk_nope_head_dim) + c.index_head_dim + index_q) * 2
     lora_per_layer = lora_params(c, plan.lora_dim) / c.num_hidden_layers / plan.tp
     best = None
     for s, layers in enumerate(stages):
@@ -148,10 +151,29 @@ def verdict(c, plan: Plan, gpu_memory_gib: float) -> tuple[bool, str]:
                   f"{budget:.1f} of {gpu_memory_gib:.1f} GiB usable")
 
 
+def longest_sequence(c, plan: Plan, gpu_memory_gib: float, step: int = 1024) -> int:
+    """The longest micro-batch (a multiple of `step` tokens) this layout fits on GPUs of that much
+    memory by memory_per_gpu's estimate; 0 if not even `step` tokens fit."""
+    from dataclasses import replace
+
+    def fits(n):
+        return verdict(c, replace(plan, seq_len=n), gpu_memory_gib)[0]
+
+    if not fits(step):
+        return 0
+    low, high = step, 2 * step
+    while fits(high) and high < 2**26:
+        low, high = high, 2 * high
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
 def recipe_plan(recipe) -> Plan:
     m = recipe.model
     return Plan(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, ep=m.expert_model_parallel_size,
-                seq_len=recipe.data.max_tokens, lora_dim=recipe.lora.dim,
+                cp=m.context_parallel_size, seq_len=recipe.data.max_tokens, lora_dim=recipe.lora.dim,
                 stage_layers=tuple(m.pipeline_stage_layers) or None)
 
 

@@ -29,6 +29,9 @@ class ModelConfig:
     # 16, 16]; empty = megatron's even split. A stage may not start on an IndexShare "shared" layer.
     pipeline_stage_layers: list[int] = field(default_factory=list)
     expert_model_parallel_size: int = 1
+    # Context parallel (SFT): every packed sequence split over CP ranks, DSA keys gathered per layer
+    # (model/attention/context_parallel.py); sequences are padded to multiples of 2 × CP (× TP).
+    context_parallel_size: int = 1
     mtp_loss_scaling_factor: float = 0.0  # LoRA fine-tuning trains the main LM loss only by default
     bf16: bool = False  # parameters in bf16 (GPU); fp32 otherwise
 
@@ -171,6 +174,7 @@ _RANGES = [
     ("model.tensor_model_parallel_size", lambda v: v >= 1, "at least 1"),
     ("model.pipeline_model_parallel_size", lambda v: v >= 1, "at least 1"),
     ("model.expert_model_parallel_size", lambda v: v >= 1, "at least 1"),
+    ("model.context_parallel_size", lambda v: v >= 1, "at least 1"),
     ("rl.clip_eps", lambda v: 0 < v < 1, "in (0, 1)"), ("rl.kl_coef", lambda v: v >= 0, "≥ 0"),
     ("rl.prompts_per_step", lambda v: v >= 1, "at least 1"), ("rl.samples_per_prompt", lambda v: v >= 1, "at least 1"),
     ("rl.max_new_tokens", lambda v: v >= 1, "at least 1"),

@@ -32,7 +32,7 @@ from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.model.payload import ReplayLayout, RequestTopk, decode_routed_experts, from_store
 from glm5_bridge.model.replay import IndexerReplay
 from glm5_bridge.train.common import adapters_off, token_logprobs, token_nll
-from glm5_bridge.train.data import GlobalBatches, greedy_groups, pack, read_jsonl
+from glm5_bridge.train.data import GlobalBatches, greedy_groups, pack, read_jsonl, real_tokens
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.routing_replay import replaying_routes
 from glm5_bridge.train.run import (check_run_outputs, deterministic_algorithms, run_steps,
@@ -190,7 +190,7 @@ def replay_context(replay: bool, base: bool = False):
 def with_padding_payloads(batch):
     """After engine.fit: the padding segment (if any) gets payloads that ask for nothing (all −1: the
     layer's indexer and the router choose), so every packed segment has one."""
-    extra = getattr(batch, "padding", 0)
+    extra = getattr(batch, "padding_segment", 0)
     if not extra:
         return batch
     if batch.replay is not None:
@@ -227,7 +227,7 @@ def rl_loss_fn(clip_eps: float, kl_coef: float):
         with torch.no_grad():
             lr_d = log_ratio.detach()
             diff = lr_d.abs() * mask
-            real = torch.tensor(float(batch.num_tokens - getattr(batch, "padding", 0)), device=loss.device)
+            real = real_tokens(batch).to(loss.device)
             metrics = {"pg_sum": (pg.detach() * mask).sum(), "kl_ref_sum": kl_ref.detach(), "absdiff_sum": diff.sum(),
                        "absdiff_max": diff.max(), "kl_rt_sum": ((torch.exp(lr_d) - lr_d - 1) * mask).sum(),
                        "ratio_sum": (ratio.detach() * mask).sum(), "resp_tokens": mask.sum(), "tokens": real}

@@ -19,7 +19,7 @@ import torch
 
 from glm5_bridge.model.config import load_hf_config
 from glm5_bridge.train.common import token_nll
-from glm5_bridge.train.data import GlobalBatches, load_tokenizer, packed_batches, read_jsonl, tokenize_chat
+from glm5_bridge.train.data import GlobalBatches, load_tokenizer, packed_batches, read_jsonl, real_tokens, tokenize_chat
 from glm5_bridge.train.recipe import Recipe
 from glm5_bridge.train.run import (check_run_outputs, deterministic_algorithms, run_steps,
                                    warn_topk_beyond_sequences)
@@ -77,7 +77,7 @@ def sft_loss(output, batch):
     mask = batch.loss_mask[0]
     nll = (token_nll(output, batch.labels) * mask).sum()
     count = mask.sum()
-    real = torch.tensor(float(batch.num_tokens - getattr(batch, "padding", 0)), device=nll.device)
+    real = real_tokens(batch).to(nll.device)
     return nll, count.to(torch.int), {"nll_sum": nll.detach(), "loss_tokens": count.detach(), "tokens": real}
 
 

@@ -20,7 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
 from glm5_bridge.model import replay
-from glm5_bridge.model.attention import index_share, token_parallel
+from glm5_bridge.model.attention import context_parallel, index_share, token_parallel
 from glm5_bridge.model.attention.backends import get_backend, topk_selector
 from glm5_bridge.model.attention.topk import flat_starts, select_topk_split, sequence_lengths
 from glm5_bridge.model.config import topk_source_layers
@@ -49,8 +49,9 @@ class SparseMLACoreAttention(MegatronModule):
         self.select_topk = topk_selector(config.dsa_attention_backend)
         self.pg_collection = pg_collection
         self.token_parallel = getattr(config, "dsa_token_parallel", False) and get_pg_size(pg_collection.tp) > 1
-        if get_pg_size(pg_collection.cp) > 1:
-            raise NotImplementedError("DSA with context parallelism (CP > 1) is not supported yet")
+        self.cp = get_pg_size(pg_collection.cp)  # context parallel: attention/context_parallel.py
+        if self.cp > 1 and self.token_parallel:
+            raise NotImplementedError("dsa_token_parallel together with context parallelism is not supported")
 
         types = config.dsa_indexer_types
         # The MTP layer numbers itself 1, 2, … (megatron's convention) and always owns an indexer.
@@ -72,15 +73,21 @@ class SparseMLACoreAttention(MegatronModule):
             q_flat, kv_flat = query, key.reshape(key.shape[0], key.shape[-1])
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
-            lengths = sequence_lengths(cu, q_flat.shape[0])  # one host read per layer
+            lengths = sequence_lengths(cu, q_flat.shape[0] * self.cp)  # one host read per layer; CP: global
         else:
             sq, b = query.shape[:2]
             q_flat = query.transpose(0, 1).reshape(b * sq, *query.shape[2:])
             kv_flat = key.transpose(0, 1).reshape(b * sq, key.shape[-1])
             lengths = (sq,) * b
+        rows = None
+        if self.cp > 1:  # this rank's tokens of every sequence; keys gathered from every rank
+            if not packed:
+                raise ValueError("DSA under context parallelism needs the thd packed layout (packed_seq_params)")
+            rows = context_parallel.local_rows(lengths, self.cp, self.pg_collection.cp.rank(), query.device)
+            kv_flat = context_parallel.gather_sequence(kv_flat, lengths, self.pg_collection.cp)
         starts = flat_starts(lengths, query.device)
 
-        topk = self._topk(x, qr, starts, packed, packed_seq_params, attention_mask, position_ids)
+        topk = self._topk(x, qr, starts, packed, packed_seq_params, attention_mask, position_ids, rows, lengths)
         if self.token_parallel:  # all heads of this rank's tokens, then back to its heads
             out = token_parallel.attend(self.backend, q_flat, kv_flat, topk, self.softmax_scale, self.v_channels,
                                         packed=packed, group=self.pg_collection.tp, lengths=lengths)
@@ -92,8 +99,13 @@ class SparseMLACoreAttention(MegatronModule):
             return out.reshape(out.shape[0], -1)
         return out.reshape(b, sq, -1).transpose(0, 1).contiguous()
 
-    def _topk(self, x, qr, starts, packed, packed_seq_params, attention_mask, position_ids) -> torch.Tensor:
+    def _topk(self, x, qr, starts, packed, packed_seq_params, attention_mask, position_ids, rows=None,
+              lengths=None) -> torch.Tensor:
+        """[queries, index_topk] flat key indices; under CP, `rows` are this rank's queries (global
+        flat indices) and the keys are the gathered sequence's."""
         carrier = (packed_seq_params, attention_mask, position_ids)
+        if rows is not None and replay.in_session(carrier):
+            raise NotImplementedError("R3 indexer replay under context parallelism is not supported yet")
         if not self.computes_topk:
             return index_share.reuse(self.layer_number, self.source_layer, *carrier)
 
@@ -105,6 +117,9 @@ class SparseMLACoreAttention(MegatronModule):
                 q = q.transpose(0, 1).reshape(-1, *q.shape[2:])
                 k = k.transpose(0, 1).reshape(-1, k.shape[-1])
                 w = w.transpose(0, 1).reshape(-1, w.shape[-1])
+                if rows is not None:
+                    k = context_parallel.gather_sequence(k, lengths, self.pg_collection.cp)
+                    return context_parallel.select_local_topk(self.select_topk, q, k, w, starts, rows, self.index_topk)
                 # every TP rank holds the same q/k/w: each scores 1/TP of the rows
                 return select_topk_split(self.select_topk, q, k, w, starts, self.index_topk,
                                          self.pg_collection.tp)

@@ -162,8 +162,46 @@ class PackedBatch:
                 setattr(moved, name, value.to(device))
         return moved
 
+    def take(self, rows: torch.Tensor) -> "PackedBatch":
+        """A copy holding only the tokens at flat indices `rows` of every per-token [1, T] tensor
+        (a context-parallel rank's share); `lengths` stay the whole sequences'."""
+        part = copy.copy(self)
+        for name, value in vars(self).items():
+            if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == self.num_tokens:
+                setattr(part, name, value[:, rows.to(value.device)])
+        return part
+
 
 PAD_ID = 0  # the token a padding segment holds (never in the loss)
+
+
+def pad_each_sequence(batch: PackedBatch, multiple: int) -> PackedBatch:
+    """Every sequence padded at its end to a multiple of `multiple` tokens (context parallelism
+    splits each sequence into equal chunks). The pads come after the sequence's real tokens, which
+    never attend to them, and carry loss mask 0: the real tokens compute as before. Counted in
+    `padding`."""
+    extra = [-n % multiple for n in batch.lengths]
+    if not any(extra):
+        return batch
+    batch = copy.copy(batch)
+    batch.pad_mask = pad_mask(batch)
+    pieces = {name: [] for name in ("input_ids", "labels", "loss_mask", "position_ids", "pad_mask")}
+    start = 0
+    for n, e in zip(batch.lengths, extra):
+        for name in pieces:
+            value = getattr(batch, name)
+            pieces[name].append(value[:, start:start + n])
+            if e:
+                fill = (torch.arange(n, n + e) if name == "position_ids" else torch.ones(e) if name == "pad_mask"
+                        else torch.full((e,), PAD_ID if name != "loss_mask" else 0))
+                pieces[name].append(fill.to(value.dtype).unsqueeze(0))
+        start += n
+    out = copy.copy(batch)
+    for name, parts in pieces.items():
+        setattr(out, name, torch.cat(parts, 1))
+    out.lengths = [n + e for n, e in zip(batch.lengths, extra)]
+    out.padding = getattr(batch, "padding", 0) + sum(extra)
+    return out
 
 
 def padded(batch: PackedBatch, length: int) -> PackedBatch:
@@ -182,8 +220,21 @@ def padded(batch: PackedBatch, length: int) -> PackedBatch:
     out.loss_mask = torch.cat([batch.loss_mask, torch.zeros(1, extra, dtype=batch.loss_mask.dtype)], 1)
     out.position_ids = torch.cat([batch.position_ids, row(list(range(extra)))], 1)
     out.lengths = [*batch.lengths, extra]
-    out.padding = extra
+    out.padding = getattr(batch, "padding", 0) + extra
+    out.padding_segment = extra
+    out.pad_mask = torch.cat([pad_mask(batch), torch.ones(1, extra, dtype=torch.int8)], 1)
     return out
+
+
+def pad_mask(batch: PackedBatch) -> torch.Tensor:
+    """[1, T] int8: 1 where a token is padding (a padding segment, or context parallel's pads)."""
+    mask = getattr(batch, "pad_mask", None)
+    return mask if mask is not None else torch.zeros(1, batch.num_tokens, dtype=torch.int8)
+
+
+def real_tokens(batch: PackedBatch) -> torch.Tensor:
+    """The micro-batch's tokens that are not padding (a 0-d float tensor on its device)."""
+    return (batch.input_ids.shape[1] - pad_mask(batch).to(batch.input_ids.device).sum()).float()
 
 
 def pack(samples: list[tuple[list[int], list[int]]], vocab_size: int) -> PackedBatch:
