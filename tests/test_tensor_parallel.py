@@ -27,10 +27,15 @@ def _tp_logits(rank, world_size, path, tp, seq, token_parallel=False):
     return logits
 
 
-@pytest.mark.parametrize("token_parallel", [False, True], ids=["heads_split", "tokens_split"])
-def test_tp2_matches_tp1(tiny_checkpoint, token_parallel):
+@pytest.fixture(scope="module")
+def tp1(tiny_checkpoint):
     path = str(tiny_checkpoint("GLM-5.2"))
-    ref = run_local_ranks(_tp_logits, 1, path, 1, 32)[0]
+    return path, run_local_ranks(_tp_logits, 1, path, 1, 32)[0]
+
+
+@pytest.mark.parametrize("token_parallel", [False, True], ids=["heads_split", "tokens_split"])
+def test_tp2_matches_tp1(tp1, token_parallel):
+    path, ref = tp1
     tp2 = run_local_ranks(_tp_logits, 2, path, 2, 32, token_parallel)
     for out in tp2:
         assert out.shape == ref.shape
