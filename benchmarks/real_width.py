@@ -70,26 +70,12 @@ def run_cli(args: list[str], log: Path, env: dict | None = None, script: Path | 
 
 
 def same_tensors(a: Path, b: Path) -> dict:
-    """Compare two HF folders tensor by tensor (names, dtypes, bits), one tensor in memory at a time."""
-    import torch
-    from safetensors import safe_open
+    """Two HF folders compared tensor by tensor, bit for bit (conversion/roundtrip_check.py's check)."""
+    sys.path.insert(0, str(ROOT / "conversion"))
+    from roundtrip_check import compare_checkpoints
 
-    def index(folder):
-        out = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(f, "pt") as s:
-                out.update({k: f for k in s.keys()})
-        return out
-
-    ia, ib = index(a), index(b)
-    differ = []
-    for name in sorted(set(ia) & set(ib)):
-        with safe_open(ia[name], "pt") as fa, safe_open(ib[name], "pt") as fb:
-            x, y = fa.get_tensor(name), fb.get_tensor(name)
-        if x.dtype != y.dtype or x.shape != y.shape or not x.contiguous().view(torch.uint8).equal(y.contiguous().view(torch.uint8)):
-            differ.append(f"{name}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
-    return {"tensors": len(ia), "missing": sorted(set(ia) - set(ib))[:5], "extra": sorted(set(ib) - set(ia))[:5],
-            "differ": differ[:5], "bit_exact": not differ and set(ia) == set(ib)}
+    count, mismatches = compare_checkpoints(a, b)
+    return {"tensors": count, "mismatches": mismatches[:5], "bit_exact": not mismatches}
 
 
 def folder_gb(folder: Path) -> float:
@@ -394,8 +380,8 @@ def main(argv=None):
     unknown = set(steps) - set(STEPS)
     if unknown:
         p.error(f"unknown steps {sorted(unknown)}; choose from {STEPS}")
-    Bench(args).run(steps)
-    print(json.dumps({k: v for k, v in Bench(args).results.items() if k != "setup"}, indent=1)[:4000])
+    results = Bench(args).run(steps)
+    print(json.dumps({k: v for k, v in results.items() if k != "setup"}, indent=1)[:4000])
 
 
 if __name__ == "__main__":

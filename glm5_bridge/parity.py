@@ -49,19 +49,21 @@ def _stats(diff: torch.Tensor) -> dict:
             "mean": d.mean().item()}
 
 
-def _next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-    """[s, V] logits of one sequence, [s] ids → [s − 1] log p(ids[t+1] | ids ≤ t) in fp32 (chunked:
-    a full-vocabulary fp32 softmax of 8K tokens is 5 GB)."""
-    out = []
+def _next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """[s, V] logits of one sequence, [s] ids → ([s − 1] log p(ids[t+1] | ids ≤ t), [s − 1] the
+    largest next-token probability), fp32, on the logits' device (chunked: a full-vocabulary fp32
+    softmax of 8K tokens is 5 GB)."""
+    out, peak = [], []
     for start in range(0, ids.shape[0] - 1, chunk):
         rows = slice(start, min(start + chunk, ids.shape[0] - 1))
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
         out.append(lp.gather(-1, ids[rows.start + 1: rows.stop + 1, None])[:, 0])
-    return torch.cat(out)
+        peak.append(lp.amax(-1).exp())
+    return torch.cat(out), torch.cat(peak)
 
 
-def _free(*objects) -> None:
-    del objects
+def _release_memory() -> None:
+    """Give the memory of models the caller has just dropped back (host and GPU caches)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -77,7 +79,7 @@ def _megatron_logprobs(model, sequences: list[torch.Tensor], device) -> torch.Te
                               packed_seq_params=packed_seq_params([len(s) for s in sequences], device))[0]
     out, start = [], 0
     for s in sequences:
-        out.append(_next_token_logprobs(logits[start:start + len(s)], ids[0, start:start + len(s)]))
+        out.append(_next_token_logprobs(logits[start:start + len(s)], ids[0, start:start + len(s)])[0])
         start += len(s)
     return torch.cat(out).cpu()
 
@@ -96,12 +98,13 @@ def _hf_logprobs(folder, sequences: list[torch.Tensor], dtype: torch.dtype, devi
     with torch.no_grad():
         for s in sequences:
             logits = model(input_ids=s.to(device)[None]).logits[0]
-            out.append(_next_token_logprobs(logits, s.to(device)).cpu())
-            peaks.append(torch.softmax(logits[:-1].float(), -1).amax(-1).cpu() if dtype == torch.float32 else None)
+            logprobs, peak = _next_token_logprobs(logits, s.to(device))
+            out.append(logprobs.cpu())
+            peaks.append(peak.cpu())
             del logits
-    _free(model)
-    peak = torch.cat(peaks).median().item() if peaks[0] is not None else None
-    return torch.cat(out), peak
+    del model
+    _release_memory()
+    return torch.cat(out), (torch.cat(peaks).median().item() if dtype == torch.float32 else None)
 
 
 def random_sequences(lengths: list[int], vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -130,7 +133,8 @@ def logprob_parity(checkpoint, lengths: list[int], dtype: str = "bfloat16", back
         _, model = build_megatron_model(checkpoint, dsa_attention_backend=backend, mtp_loss_scaling_factor=0.0,
                                         **precision)
     ours = _megatron_logprobs(model, sequences, device)
-    _free(model)
+    del model
+    _release_memory()
     ref, peak = _hf_logprobs(hf, sequences, torch.float32, device, adapter)
     low, _ = _hf_logprobs(hf, sequences, torch.bfloat16, device, adapter)  # the floor is always bf16's
     same = ref if torch_dtype == torch.float32 else low

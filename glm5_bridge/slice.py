@@ -85,8 +85,6 @@ def make_slice_checkpoint(variant: str, path: str | os.PathLike, layers: int, ex
                           **overrides) -> Path:
     """Write a real-width random bf16 HF checkpoint of `variant` (see the module docstring) to `path`.
     `overrides` change config values (tests use them to shrink the widths)."""
-    from safetensors.torch import save_file
-
     from glm5_bridge.files import atomic_output_dir, check_output
     from glm5_bridge.model.validate import expected_tensors
     from glm5_bridge.tiny import make_tiny_tokenizer
@@ -106,10 +104,10 @@ def make_slice_checkpoint(variant: str, path: str | os.PathLike, layers: int, ex
             current[name] = _random(name, required[name], cfg["initializer_range"], generator, device)
             size += current[name].numel() * current[name].element_size()
             if size >= limit:
-                shards.append(_save_shard(current, tmp, len(shards), save_file))
+                shards.append(_save_shard(current, tmp, len(shards)))
                 current, size = {}, 0
         if current:
-            shards.append(_save_shard(current, tmp, len(shards), save_file))
+            shards.append(_save_shard(current, tmp, len(shards)))
         weight_map, total = {}, 0
         for i, (file, tensors) in enumerate(shards):
             final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -123,7 +121,10 @@ def make_slice_checkpoint(variant: str, path: str | os.PathLike, layers: int, ex
     return Path(path)
 
 
-def _save_shard(tensors: dict, folder: Path, number: int, save_file) -> tuple[str, dict]:
+def _save_shard(tensors: dict, folder: Path, number: int) -> tuple[str, dict]:
+    """tensors → folder/shard-{number}.safetensors; (its name, tensor name → bytes)."""
+    from safetensors.torch import save_file
+
     name = f"shard-{number}.safetensors"
     save_file(tensors, folder / name, metadata={"format": "pt"})
     return name, {n: t.numel() * t.element_size() for n, t in tensors.items()}

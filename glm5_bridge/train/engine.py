@@ -158,9 +158,7 @@ class Engine:
         """A micro-batch padded to what the layout needs: a multiple of TP tokens (sequence parallel
         splits them), and exactly data.max_tokens under PP (pipeline stages exchange fixed shapes)
         or EP with the all-gather token dispatcher (the CPU's: EP ranks gather equal shapes)."""
-        from glm5_bridge.train.data import padded
-
-        from glm5_bridge.train.data import pad_each_sequence
+        from glm5_bridge.train.data import pad_each_sequence, padded
 
         m, tp, cp = self.recipe.model, self.recipe.model.tensor_model_parallel_size, self.recipe.model.context_parallel_size
         unit = tp

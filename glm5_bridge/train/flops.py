@@ -59,7 +59,8 @@ def step_flops(c, lengths: list[int], mtp: bool = True) -> dict:
     attn_layers = c.num_hidden_layers + (1 if mtp and getattr(c, "num_nextn_predict_layers", 0) else 0)
     index_layers = sum(computing_layers(c)) + (attn_layers - c.num_hidden_layers)
     causal = sum(n * (n + 1) // 2 for n in lengths)  # (query, key ≤ query) pairs
-    selected = sum(sum(min(c.index_topk, p + 1) for p in range(n)) for n in lengths)
+    # Σ over positions p of min(index_topk, p + 1): all causal keys up to top-k, then top-k a query
+    selected = sum(m * (m + 1) // 2 + (n - m) * c.index_topk for n in lengths for m in [min(n, c.index_topk)])
     projections = 2 * projection_params_per_token(c, mtp) * tokens
     indexer_scores = 2 * c.index_n_heads * c.index_head_dim * causal * index_layers
     attention = (2 * c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
@@ -80,10 +81,11 @@ def peak_flops(device_name: str) -> float | None:
 
 def step_rate(c, micro_batches: list, seconds: float) -> dict:
     """Model FLOP rate of one training step: this rank's micro-batches' `lora_step` FLOPs (real
-    sequences; a padding segment is not counted, context parallel's pads at sequence ends are), summed over the data-parallel ranks, over the
-    step's seconds and every GPU of the job → {"tflops_per_gpu"} (+ "mfu" on a GPU whose peak is
-    known). Collective over the job's ranks."""
+    sequences: a padding segment is not counted, context parallel's pads at sequence ends are),
+    summed over the data-parallel ranks, over the step's seconds and every GPU of the job →
+    {"tflops_per_gpu"} (+ "mfu" on a GPU whose peak is known). Collective over the DP ranks."""
     import torch
+    from megatron.core import parallel_state
 
     from glm5_bridge.train.engine import data_parallel_info
 
@@ -91,8 +93,6 @@ def step_rate(c, micro_batches: list, seconds: float) -> dict:
     for batch in micro_batches:
         lengths = batch.lengths[:-1] if getattr(batch, "padding_segment", 0) else batch.lengths
         total += step_flops(c, list(lengths))["lora_step"]
-    from megatron.core import parallel_state
-
     summed = torch.tensor([float(total)], dtype=torch.float64)
     if data_parallel_info()[1] > 1:  # every DP rank trains its own micro-batches; the others share them
         summed = summed.to("cuda" if torch.cuda.is_available() else "cpu")

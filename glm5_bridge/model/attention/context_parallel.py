@@ -39,15 +39,24 @@ def _rank_rows(lengths: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], .
     return tuple(ranks)
 
 
+@functools.lru_cache(maxsize=64)
+def _rows_tensor(lengths: tuple[int, ...], parts: int, rank: int | None, device: torch.device) -> torch.Tensor:
+    """Rank `rank`'s rows (None: every rank's, rank after rank) as an int64 tensor on `device`. Every
+    DSA layer of a micro-batch, forward and backward, asks for the same ones: built once."""
+    ranks = _rank_rows(lengths, parts)
+    rows = ranks[rank] if rank is not None else [i for r in ranks for i in r]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
 def local_rows(lengths: tuple[int, ...], parts: int, rank: int, device=None) -> torch.Tensor:
-    """Global flat indices of CP rank `rank`'s tokens (int64), for sequences of global `lengths`."""
-    return torch.tensor(_rank_rows(tuple(lengths), parts)[rank], dtype=torch.int64, device=device)
+    """Global flat indices of CP rank `rank`'s tokens (int64), for sequences of global `lengths`.
+    Shared by every caller with the same arguments: read it, do not write into it."""
+    return _rows_tensor(tuple(lengths), parts, rank, torch.device(device or "cpu"))
 
 
 def _all_rows(lengths, parts, device) -> torch.Tensor:
     """[parts · T/parts]: every rank's rows, rank after rank (the all-gather's order)."""
-    return torch.tensor([i for rows in _rank_rows(tuple(lengths), parts) for i in rows], dtype=torch.int64,
-                        device=device)
+    return _rows_tensor(tuple(lengths), parts, None, torch.device(device))
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -92,10 +101,9 @@ def select_local_topk(select, q: torch.Tensor, k_global: torch.Tensor, weights: 
     q_g = q.new_zeros(total, *q.shape[1:])
     w_g = weights.new_zeros(total, *weights.shape[1:])
     q_g[rows], w_g[rows] = q, weights
-    out, done = [], 0
+    out = []
     bounds = (torch.nonzero(torch.diff(rows) != 1).flatten() + 1).tolist()
     for a, b in zip([0, *bounds], [*bounds, rows.numel()]):
         first = int(rows[a])
         out.append(select(q_g, k_global, w_g, starts_global, topk, rows=(first, first + b - a)))
-        done += b - a
     return torch.cat(out)

@@ -178,18 +178,17 @@ PAD_ID = 0  # the token a padding segment holds (never in the loss)
 def pad_each_sequence(batch: PackedBatch, multiple: int) -> PackedBatch:
     """Every sequence padded at its end to a multiple of `multiple` tokens (context parallelism
     splits each sequence into equal chunks). The pads come after the sequence's real tokens, which
-    never attend to them, and carry loss mask 0: the real tokens compute as before. Counted in
-    `padding`."""
+    never attend to them, and carry loss mask 0: the real tokens compute as before. Marked in
+    `pad_mask`."""
     extra = [-n % multiple for n in batch.lengths]
     if not any(extra):
         return batch
-    batch = copy.copy(batch)
-    batch.pad_mask = pad_mask(batch)
-    pieces = {name: [] for name in ("input_ids", "labels", "loss_mask", "position_ids", "pad_mask")}
+    source = {name: getattr(batch, name) for name in ("input_ids", "labels", "loss_mask", "position_ids")}
+    source["pad_mask"] = pad_mask(batch)
+    pieces = {name: [] for name in source}
     start = 0
     for n, e in zip(batch.lengths, extra):
-        for name in pieces:
-            value = getattr(batch, name)
+        for name, value in source.items():
             pieces[name].append(value[:, start:start + n])
             if e:
                 fill = (torch.arange(n, n + e) if name == "position_ids" else torch.ones(e) if name == "pad_mask"
@@ -200,7 +199,6 @@ def pad_each_sequence(batch: PackedBatch, multiple: int) -> PackedBatch:
     for name, parts in pieces.items():
         setattr(out, name, torch.cat(parts, 1))
     out.lengths = [n + e for n, e in zip(batch.lengths, extra)]
-    out.padding = getattr(batch, "padding", 0) + sum(extra)
     return out
 
 
@@ -220,7 +218,6 @@ def padded(batch: PackedBatch, length: int) -> PackedBatch:
     out.loss_mask = torch.cat([batch.loss_mask, torch.zeros(1, extra, dtype=batch.loss_mask.dtype)], 1)
     out.position_ids = torch.cat([batch.position_ids, row(list(range(extra)))], 1)
     out.lengths = [*batch.lengths, extra]
-    out.padding = getattr(batch, "padding", 0) + extra
     out.padding_segment = extra
     out.pad_mask = torch.cat([pad_mask(batch), torch.ones(1, extra, dtype=torch.int8)], 1)
     return out
