@@ -67,6 +67,27 @@ def locality(idx: torch.Tensor, group: int) -> dict:
                 group_union=round(float(np.mean(union)) / (group * k), 4))
 
 
+def recorded_locality(rollouts: str, config: str, groups: list[int]) -> None:
+    """`locality` of each rollout's recorded top-k, per computing layer (rows ≥ K)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from glm5_bridge.model.payload import ReplayLayout, RequestTopk
+
+    layout = ReplayLayout.from_hf_config(AutoConfig.from_pretrained(config))
+    with open(rollouts) as f:
+        for i, line in enumerate(f):
+            row = json.loads(line)
+            topk = RequestTopk.from_sglang(row["meta_info"], layout, len(row["tokens"]), sample_id=str(i))
+            for slot, layer in enumerate(layout.computing):
+                idx = topk.layer(slot)
+                k = idx.shape[1]  # the neighbour pairs `locality` samples: rows k + j and k + j + 1
+                chance = np.mean([k / (k + j + 2) for j in range(0, idx.shape[0] - k - 1, 64)])
+                B.emit("recorded", rollout=i, layer=layer, rows=idx.shape[0], chance_shared=round(float(chance), 4),
+                       **{f"group{g}": locality(idx, g) for g in groups})
+
+
 def bench(s, heads, churn, idx, reps):
     fwd_mod, bwd_mod = B.upstream_mods()
     gen = torch.Generator(device="cuda").manual_seed(s + heads)
@@ -98,8 +119,12 @@ def main():
     ap.add_argument("--churn", default="1,0.5,0.2,0.05")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_locality.json"))
+    ap.add_argument("--recorded", help="a rollout file with meta_info.indexer_topk: its locality only")
+    ap.add_argument("--config", help="with --recorded: the checkpoint folder whose config.json it follows")
     a = ap.parse_args()
     B.OUT_PATH = a.out  # B.emit prints each row and rewrites this file with all of them
+    if a.recorded:
+        return recorded_locality(a.recorded, a.config, [1, 2, 4, 8])
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     heads_list = [int(h) for h in a.heads.split(",")]
     for s in (int(x) for x in a.seqs.split(",")):

@@ -121,14 +121,17 @@ def test_rl_step_replays_engine_payloads(path, prompts, responses, tmp_path):
 
     data = _write(tmp_path, rollout_rows(prompts, responses[False], [1.0, 0.0, 1.0, 0.0]))
     first = {}
-    for replay in (True, False):
-        recipe = load_recipe(None, ["task=rl", f"model.checkpoint={path}", f"train.output_dir={tmp_path / str(replay)}",
+    for name, flags in (("on", ["rl.replay=true"]), ("indexer", ["rl.replay=true", "rl.replay_routes=false"]),
+                        ("off", ["rl.replay=false"])):
+        recipe = load_recipe(None, ["task=rl", f"model.checkpoint={path}", f"train.output_dir={tmp_path / name}",
                                     f"data.train={data}", "data.max_tokens=256", "train.steps=1", "lora.dim=4",
-                                    "export.kind=none", "train.deterministic=true", f"rl.replay={str(replay).lower()}"])
-        first[replay] = train_rl(recipe)["history"][0]
-    assert first[True]["replay"] and first[True]["routing_replay"]
-    assert first[True]["logprob_abs_diff_max"] < 1e-4 and abs(first[True]["ratio_mean"] - 1) < 1e-5
-    assert first[False]["logprob_abs_diff_max"] > 1e-2
+                                    "export.kind=none", "train.deterministic=true", *flags])
+        first[name] = train_rl(recipe)["history"][0]
+    assert first["on"]["replay"] and first["on"]["routing_replay"]
+    assert first["on"]["logprob_abs_diff_max"] < 1e-4 and abs(first["on"]["ratio_mean"] - 1) < 1e-5
+    assert first["off"]["logprob_abs_diff_max"] > 1e-2
+    # rl.replay_routes=false: the top-k replayed, the routers left to choose
+    assert first["indexer"]["replay"] and not first["indexer"]["routing_replay"]
     # rl.replay_store: the payloads streamed into {output_dir}/replay/ and replayed from there
     recipe = load_recipe(None, ["task=rl", f"model.checkpoint={path}", f"train.output_dir={tmp_path / 'store'}",
                                 f"data.train={data}", "data.max_tokens=256", "train.steps=1", "lora.dim=4",

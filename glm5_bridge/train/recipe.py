@@ -96,6 +96,8 @@ class RLConfig:
     clip_eps: float = 0.2  # GRPO/PPO ratio clip
     kl_coef: float = 0.0  # KL(policy ‖ reference) penalty; the reference is the base model (LoRA off)
     replay: bool = True  # replay the rollout's indexer top-k when the rollout carries it
+    # with replay: the rollout's routed experts too, when it carries them (off: indexer top-k only)
+    replay_routes: bool = True
     # stream the rollout file's top-k into a compact store ({output_dir}/replay/) and replay from it
     # a layer at a time: host memory a block of rows instead of every payload (docs/replay.md)
     replay_store: bool = False

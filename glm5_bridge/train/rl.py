@@ -294,6 +294,9 @@ def _train_rl(recipe: Recipe, stop_after: int | None) -> dict:
     samples = load_rollouts(recipe.data.train, hf.vocab_size, ReplayLayout.from_hf_config(hf), recipe.data.limit,
                             store)
     warn_topk_beyond_sequences(hf, max(len(s.tokens) for s in samples), "rollout")
+    if not recipe.rl.replay_routes:  # the indexer top-k alone is replayed; routers choose afresh
+        for s in samples:
+            s.routes = None
     groups = _micro_batches(samples, recipe.data.max_tokens)
     routes = recipe.rl.replay and all(s.routes is not None for s in samples)
     check_recipe_fits(recipe, hf)
