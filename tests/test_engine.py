@@ -141,7 +141,8 @@ def rollouts(tiny_checkpoint, tmp_path_factory):
     path = tiny_checkpoint("GLM-5.2")
     hf = load_hf(path)
     rows = generate_rollouts(hf, AutoTokenizer.from_pretrained(path), arithmetic_problems(8, seed=5),
-                             IndexerCapture(hf), max_new_tokens=4, generator=torch.Generator().manual_seed(1))
+                             IndexerCapture(hf, routes=True), max_new_tokens=4,
+                             generator=torch.Generator().manual_seed(1))
     for i, row in enumerate(rows):
         row["reward"], row["group"] = float(i % 3 == 0), "all"  # one GRPO group: non-zero advantages
     out = tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl"
@@ -149,13 +150,34 @@ def rollouts(tiny_checkpoint, tmp_path_factory):
     return out
 
 
-def test_rl_dp2_equals_dp1_and_resumes_exactly(tiny_checkpoint, rollouts, tmp_path):
-    rl = ["task=rl", f"data.train={rollouts}", "data.max_tokens=160", "train.global_batch_size=2", "rl.kl_coef=0.01",
-          "train.lr=1e-3"]
-    one = _train(tmp_path / "one", tiny_checkpoint("GLM-5.2"), 1, *rl)
-    two = _train(tmp_path / "two", tiny_checkpoint("GLM-5.2"), 2, *rl)
-    assert one[0]["replay"] and abs(one[0]["ratio_mean"] - 1) < 1e-5  # the policy is the rollout's at step 1
+RL = ["task=rl", "data.max_tokens=160", "train.global_batch_size=2", "rl.kl_coef=0.01", "train.lr=1e-3", "train.steps=3"]
+
+
+@pytest.fixture(scope="module")
+def rl_one(tiny_checkpoint, rollouts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rl") / "one"
+    return out, _train(out, tiny_checkpoint("GLM-5.2"), 1, *RL, f"data.train={rollouts}")
+
+
+def test_rl_dp2_equals_dp1_and_resumes_exactly(tiny_checkpoint, rollouts, rl_one, tmp_path):
+    out, one = rl_one
+    two = _train(tmp_path / "two", tiny_checkpoint("GLM-5.2"), 2, *RL, f"data.train={rollouts}")
+    assert one[0]["replay"] and one[0]["routing_replay"] and abs(one[0]["ratio_mean"] - 1) < 1e-5  # the rollout's policy
     assert _max_diff(one, two) <= TOL and _max_diff(one, two, "kl_rollout_train") <= TOL
     assert one[0]["grad_norm"] > 0 and one[-1]["kl_to_reference"] > 0  # the adapters moved away from the base
-    again = _train(_truncated(tmp_path / "one", tmp_path / "resumed", 2), tiny_checkpoint("GLM-5.2"), 1, *rl)
+    again = _train(_truncated(out, tmp_path / "resumed", 2), tiny_checkpoint("GLM-5.2"), 1, *RL,
+                   f"data.train={rollouts}")
     assert _timeless(again) == _timeless(one)
+
+
+# RL with the rollouts' top-k and routed experts replayed, each rank on its share of the tokens: CP 2
+# (every sequence in 4 chunks, padded at its end; replay rows and expert rows sliced to the rank's
+# chunks) and TP 2 (sequence parallel: the routers see half the tokens each).
+@pytest.mark.parametrize("layout", ["cp2", "tp2"])
+def test_rl_with_replay_at_layout_equals_one_process(layout, tiny_checkpoint, rollouts, rl_one, tmp_path):
+    _, one = rl_one
+    other = _train(tmp_path / layout, tiny_checkpoint("GLM-5.2"), 2, *RL, f"data.train={rollouts}", *LAYOUTS[layout],
+                   "train.save_every=0")  # no checkpoints: the history is compared
+    assert all(h["replay"] and h["routing_replay"] for h in other)
+    for key in ("loss", "kl_rollout_train", "logprob_abs_diff_mean"):
+        assert _max_diff(one, other, key) <= TOL, key

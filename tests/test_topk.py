@@ -140,3 +140,19 @@ def test_row_bounds_balance_the_cost():
                     assert abs(sum(cost[a:b]) - share) <= max(cost), (lengths, parts, cap, bounds)
     # one 8K sequence, top-k 2048, TP 2: the capped cost moves the boundary past the middle
     assert row_bounds((8192,), 2, 2048) == (0, 4608, 8192)
+
+
+def test_a_row_range_takes_just_its_own_query_rows():
+    """rows=(a, b) with q / weights holding only queries a … b−1 (context parallel's local rows, no
+    T-row buffer) gives exactly the T-row layout's top-k, in the torch selection and in
+    kernels/indexer.select_topk's blocking (reference score kernel on the CPU)."""
+    from glm5_bridge.kernels import indexer
+
+    starts = flat_starts_thd(torch.tensor([0, 7, 30, 45]), 45)
+    q, k, w = _rand(45, 4, 8), _rand(45, 8, seed=1), _rand(45, 4, seed=2)
+    kernel = indexer.reference_logits_kernel(4, 8)
+    for a, b in [(5, 6), (6, 31), (29, 45)]:
+        assert torch.equal(select_topk(q[a:b], k, w[a:b], starts, 6, rows=(a, b)),
+                           select_topk(q, k, w, starts, 6, rows=(a, b))), (a, b)
+        ours = indexer.select_topk(q[a:b].contiguous(), k, w[a:b], starts, 6, rows=(a, b), row_block=8, kernel=kernel)
+        assert torch.equal(ours, indexer.select_topk(q, k, w, starts, 6, rows=(a, b), row_block=8, kernel=kernel))

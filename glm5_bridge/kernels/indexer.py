@@ -186,18 +186,19 @@ def reference_logits_kernel(heads: int, dim: int):
     return run
 
 
-def block_scores(q, k, weights, starts, r0: int, r1: int, kernel=None, w0: int | None = None):
+def block_scores(q, k, weights, starts, r0: int, r1: int, kernel=None, w0: int | None = None, base: int = 0):
     """Scores of rows [r0, r1) over their key window [w0, r1): scores [n_pad, m_pad] fp32 — whole
     tiles; rows past r1 − r0 and keys outside a row's window are −inf. q, k contiguous, weights
     fp32 and contiguous. w0: the window's first key (default: min(starts[r0:r1]), one host read).
     `kernel`: logits_kernel's signature (default: ours). The kernel reads the block's q, w and
-    window keys where they lie: no padding copies."""
+    window keys where they lie: no padding copies. base: the row q[0] and weights[0] are."""
     heads, dim = q.shape[1:]
     if w0 is None:
         w0 = int(starts[r0:r1].min())
     scores = torch.empty(_ceil_to(r1 - r0, QUERIES), _ceil_to(r1 - w0, CHUNK), dtype=torch.float32, device=q.device)
     kernel = kernel or get_logits_kernel(heads, dim)
-    kernel(q[r0:r1].view(-1, dim), k[w0:r1], weights[r0:r1].view(-1), starts[r0:r1].to(torch.int32), scores, w0, r0)
+    kernel(q[r0 - base:r1 - base].view(-1, dim), k[w0:r1], weights[r0 - base:r1 - base].view(-1),
+           starts[r0:r1].to(torch.int32), scores, w0, r0)
     return scores
 
 
@@ -239,11 +240,12 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
         raise ValueError(f"the indexer kernel takes bf16 CUDA q and k, got {q.dtype} / {k.dtype} on {q.device}")
     select = select or (torch_select if kernel is not None else radix_topk.select)
     a, b = rows or (0, k.shape[0])
+    base = a if q.shape[0] == b - a else 0  # q / weights: all T rows, or just a … b−1 (topk.query_base)
     out = torch.empty((b - a, topk), dtype=torch.int64, device=k.device)  # every select writes all its slots
     q, k, weights = q.contiguous(), k.contiguous(), weights.float().contiguous()
     for r0, w0 in zip(range(a, b, row_block), window_starts(starts, a, b, row_block)):
         r1 = min(r0 + row_block, b)
-        scores = block_scores(q, k, weights, starts, r0, r1, kernel, w0)
+        scores = block_scores(q, k, weights, starts, r0, r1, kernel, w0, base)
         # A window of at most topk keys is taken whole; torch.topk does that cheaply.
         (select if scores.shape[1] >= topk else torch_select)(scores, topk, out[r0 - a:r1 - a], w0)
     return out

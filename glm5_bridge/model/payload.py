@@ -140,6 +140,18 @@ class RequestTopk:
         with safe_open(self._path, "pt") as f:
             return f.get_slice("indexer_topk")[:, slot, :]
 
+    def with_window_rows(self, extra: int) -> "RequestTopk":
+        """This request followed by `extra` rows (positions rows … rows + extra − 1) holding the
+        window of the index_topk most recent keys, self included: what replay gives rows a payload
+        does not cover, for pads a layout adds after a sequence. Lazy: a layer is built when read."""
+        rows, k = self.rows, self.index_topk
+        window = torch.arange(rows, rows + extra)[:, None] - torch.arange(k)
+        window = torch.where(window >= 0, window, -1).to(torch.int32)
+        out = RequestTopk(torch.empty(0, 0, 0, dtype=torch.int32), self.sample_id)
+        out.shape = (rows + extra, self.num_layers, k)
+        out._read_layer = lambda slot: torch.cat([self.layer(slot), window])
+        return out
+
     def tensor(self) -> torch.Tensor:
         lazy = self._path is not None or self._read_layer is not None
         return torch.stack([self.layer(j) for j in range(self.num_layers)], 1) if lazy else self._topk

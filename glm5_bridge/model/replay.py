@@ -158,11 +158,6 @@ def _in_backward() -> bool:
     return task is None or task() != -1
 
 
-def in_session(carrier: tuple) -> bool:
-    """Whether a record / replay session applies to this layer call (its micro-batch's carrier)."""
-    return _bound(carrier) is not None
-
-
 def _bound(carrier: tuple) -> _Bound | None:
     """The session for this layer call, bound to the micro-batch's carrier (see module doc)."""
     obj = next((c for c in carrier if c is not None), index_share._fallback)  # the object IndexShare uses
@@ -178,13 +173,19 @@ def _bound(carrier: tuple) -> _Bound | None:
     return None
 
 
-def resolve(layer, starts: torch.Tensor, carrier: tuple, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The top-k [T, index_topk] (flat, int64) a computing layer attends with; `compute` runs its indexer."""
+def resolve(layer, starts: torch.Tensor, carrier: tuple, compute: Callable[[], torch.Tensor],
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-k [T, index_topk] (flat, int64) a computing layer attends with; `compute` runs its indexer.
+    Under context parallelism `rows` are this rank's queries (global flat rows of the micro-batch,
+    whose `starts` are global) and the result has one row per query."""
     bound = None if layer.is_mtp_layer else _bound(carrier)  # MTP: never in payloads
     if bound is None:
         return compute()
     types = layer.config.dsa_indexer_types
     slot, num_slots = types[:layer.layer_number - 1].count("full"), types.count("full")
+    if bound.session.mode == "record" and rows is not None:
+        raise NotImplementedError("recording the indexer top-k under context parallelism is not supported: "
+                                  "record at context_parallel_size 1 (replay works at any size)")
     if bound.session.mode == "record":
         kept = None if bound.recorded is None else bound.recorded.topk.get(slot)
         if kept is not None and _in_backward():  # recompute: exactly the forward's top-k
@@ -195,7 +196,7 @@ def resolve(layer, starts: torch.Tensor, carrier: tuple, compute: Callable[[], t
         topk = compute()
         bound.recorded.topk[slot] = topk.to("cpu", torch.int32)
         return topk
-    return _replayed(layer, bound, slot, num_slots, starts, carrier[0], compute)
+    return _replayed(layer, bound, slot, num_slots, starts, carrier[0], compute, rows)
 
 
 def _fail(req_index: int, req: RequestTopk, layer, slot: int, num_slots: int, what: str):
@@ -213,16 +214,24 @@ def _segments(starts: torch.Tensor, packed_seq_params) -> list[tuple[int, int, i
     return [(a, n, r) for (a, n), r in zip(padded, real)]
 
 
-def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, compute) -> torch.Tensor:
+def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, compute, rows=None) -> torch.Tensor:
+    """The replayed top-k of the queries at global flat rows `rows` (context parallel: this rank's;
+    None: every row), [len(rows), index_topk] flat indices into the whole packed micro-batch."""
     session, k, device = bound.session, layer.index_topk, starts.device
     reqs, segments = session.requests, _segments(starts, packed_seq_params)
     if len(reqs) != len(segments):
         raise ValueError(f"indexer replay: the micro-batch has {len(segments)} sequences but the "
                          f"payload {len(reqs)} requests (layer {layer.layer_number})")
     total = starts.shape[0]
-    local = torch.full((total, k), -1, dtype=torch.int64, device=device)
-    given = torch.zeros(total, dtype=torch.bool, device=device)
-    tokens = torch.zeros(total, dtype=torch.int64, device=device)  # request length (rows + 1) per row
+    whole = rows is None
+    # Row bookkeeping on the host: which request and position each query row is.
+    rows_cpu = torch.arange(total) if whole else rows.cpu()
+    seg_of = torch.searchsorted(torch.tensor([a for a, _, _ in segments]), rows_cpu, right=True) - 1
+    pos_cpu = rows_cpu - torch.tensor([a for a, _, _ in segments])[seg_of]
+    n = rows_cpu.shape[0]
+    local = torch.full((n, k), -1, dtype=torch.int64, device=device)
+    given = torch.zeros(n, dtype=torch.bool, device=device)
+    tokens = torch.zeros(n, dtype=torch.int64, device=device)  # request length (rows + 1) per row
     for r, (req, (a, padded, real)) in enumerate(zip(reqs, segments)):
         if req.num_layers != num_slots:
             _fail(r, req, layer, slot, num_slots, f"payload has {req.num_layers} indexer layers, the model "
@@ -233,12 +242,18 @@ def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, 
             _fail(r, req, layer, slot, num_slots, f"payload has {req.rows} rows (len(tokens) − 1) but its "
                   f"sequence has {real} tokens" + (f" ({padded} padded)" if padded != real else "")
                   + f"; expected {real - 1} to {padded} rows")
-        local[a:a + req.rows] = req.layer(slot).to(device)
-        given[a:a + req.rows] = True
-        tokens[a:a + req.rows] = req.rows + 1
+        if whole:  # every row of the request, in order: a slice
+            local[a:a + req.rows] = req.layer(slot).to(device)
+            given[a:a + req.rows] = True
+            tokens[a:a + req.rows] = req.rows + 1
+            continue
+        mine = ((seg_of == r) & (pos_cpu < req.rows)).nonzero().flatten()
+        at = mine.to(device)
+        local[at] = req.layer(slot)[pos_cpu[mine]].to(device, torch.int64)
+        given[at] = True
+        tokens[at] = req.rows + 1
 
-    rows = torch.arange(total, device=device)
-    pos = rows - starts
+    q_rows, q_starts, pos = rows_cpu.to(device), starts[rows_cpu.to(device)], pos_cpu.to(device)
     ordered = local.sort(dim=1).values
     bad_keys = [local < -1, local >= tokens[:, None], local > pos[:, None],  # per key
                 (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)]
@@ -250,15 +265,14 @@ def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, 
     for kind, message in enumerate(messages):
         if found[kind] and (kind < 4 or session.on_missing == "error"):
             t = int(checks[:, kind].nonzero()[0, 0])
-            r = next(i for i, (a, n, _) in enumerate(segments) if a <= t < a + n)
-            i = t - segments[r][0]
+            r, i = int(seg_of[t]), int(pos_cpu[t])
             key = int((ordered[t, 1:] if kind == 3 else local[t])[bad_keys[kind][t]][0]) if kind < 4 else None
             _fail(r, reqs[r], layer, slot, num_slots, f"row {i} " + message.format(key=key, n=reqs[r].rows + 1, i=i))
 
     # Rows not in the payload: the most recent index_topk keys, self included (see module doc).
-    window = rows[:, None] - torch.arange(k, device=device)
-    topk = torch.where(given[:, None], torch.where(local >= 0, local + starts[:, None], -1),
-                       torch.where(window >= starts[:, None], window, -1))
+    window = q_rows[:, None] - torch.arange(k, device=device)
+    topk = torch.where(given[:, None], torch.where(local >= 0, local + q_starts[:, None], -1),
+                       torch.where(window >= q_starts[:, None], window, -1))
     if found[4]:
         topk = torch.where(checks[:, 4, None], compute(), topk)
     return topk

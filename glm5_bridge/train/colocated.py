@@ -171,7 +171,7 @@ def colocated_rl(recipe: Recipe, stop_after: int | None = None) -> dict:
                                  capture, rl.max_new_tokens, generator)
         rollouts = [Rollout(r, f"step {step + 1} rollout {i}", vocab, capture.layout) for i, r in enumerate(rows)]
         _fill_advantages(rollouts)
-        record = rl_step(engine, [engine.fit(rollout_batch(rollouts, vocab))], recipe, step + 1)
+        record = rl_step(engine, engine.fit_all([rollout_batch(rollouts, vocab)]), recipe, step + 1)
         record["reward"] = sum(float(r.reward) for r in rollouts) / len(rollouts)
         return record
 

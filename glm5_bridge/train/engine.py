@@ -42,6 +42,14 @@ def data_parallel_info() -> tuple[int, int]:
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
 
 
+def sequence_multiple(recipe) -> int:
+    """What every packed sequence is padded to a multiple of: 2·CP·TP under context parallelism (each
+    sequence splits into 2·CP equal chunks, each rank's share a multiple of TP), else 1. The packers
+    count sequences at that length, so a padded micro-batch still holds ≤ data.max_tokens."""
+    m = recipe.model
+    return 2 * m.context_parallel_size * m.tensor_model_parallel_size if m.context_parallel_size > 1 else 1
+
+
 def is_last_stage() -> bool:
     from megatron.core import parallel_state
 
@@ -95,9 +103,16 @@ class Engine:
                       expert_model_parallel_size=m.expert_model_parallel_size,
                       context_parallel_size=m.context_parallel_size,
                       calculate_per_token_loss=True)
+        if m.context_parallel_size > 1 and m.mtp_loss_scaling_factor:
+            import warnings
+
+            # megatron-core 0.19 scales each rank's MTP loss by that rank's own (tokens before ÷ after
+            # the roll); chunk boundaries make those differ per CP rank, so the MTP gradient is not
+            # CP 1's (with the ratio forced to 1 the two agree: docs/parallel.md)
+            warnings.warn("model.mtp_loss_scaling_factor under context parallelism: megatron-core normalises the "
+                          "MTP loss per CP rank, so its gradient differs slightly from context_parallel_size 1",
+                          UserWarning, stacklevel=2)
         if m.context_parallel_size > 1:
-            if recipe.task != "sft":
-                raise NotImplementedError("model.context_parallel_size > 1 runs LoRA SFT only for now (RL: not yet)")
             fields["cp_comm_type"] = "allgather"  # megatron's DSA check; our core gathers kv rows itself
         if m.pipeline_stage_layers:
             stages = list(m.pipeline_stage_layers)
@@ -108,9 +123,11 @@ class Engine:
             if len(set(stages[1:-1])) > 1:
                 raise ValueError(f"model.pipeline_stage_layers {stages}: megatron splits the middle stages evenly; "
                                  "give equal sizes between the first and the last")
-        if m.pipeline_model_parallel_size > 1 and recipe.data.max_tokens % m.tensor_model_parallel_size:
-            raise ValueError(f"data.max_tokens {recipe.data.max_tokens} must be a multiple of TP "
-                             f"{m.tensor_model_parallel_size} under pipeline parallelism")
+        unit = max(m.tensor_model_parallel_size, sequence_multiple(recipe))
+        if m.pipeline_model_parallel_size > 1 and recipe.data.max_tokens % unit:
+            what = "2 × CP × TP" if m.context_parallel_size > 1 else "TP"
+            raise ValueError(f"data.max_tokens {recipe.data.max_tokens} must be a multiple of {what} = {unit} "
+                             "under pipeline parallelism")
         # Always set: megatron-bridge takes the HF config's dtype, so a bf16 checkpoint (every real
         # one) would otherwise build bf16 parameters under an fp32 recipe and its fp32 optimizer.
         fields.update(bf16=m.bf16, params_dtype=torch.bfloat16 if m.bf16 else torch.float32)
@@ -154,21 +171,37 @@ class Engine:
         self.config = config
 
     # --- steps ---------------------------------------------------------------------------------
-    def fit(self, batch):
-        """A micro-batch padded to what the layout needs: a multiple of TP tokens (sequence parallel
-        splits them), and exactly data.max_tokens under PP (pipeline stages exchange fixed shapes)
-        or EP with the all-gather token dispatcher (the CPU's: EP ranks gather equal shapes)."""
+    def fit(self, batch, length: int = 0):
+        """A micro-batch padded to what the layout needs: under context parallel every sequence to a
+        multiple of 2·CP·TP (sequence_multiple), and the whole to a multiple of TP tokens (sequence
+        parallel splits them) — or, under PP (pipeline stages exchange fixed shapes) or EP with the
+        all-gather token dispatcher (the CPU's: EP ranks gather equal shapes), to at least
+        data.max_tokens and `length`. fit_all fits a step's micro-batches together."""
         from glm5_bridge.train.data import pad_each_sequence, padded
 
-        m, tp, cp = self.recipe.model, self.recipe.model.tensor_model_parallel_size, self.recipe.model.context_parallel_size
-        unit = tp
-        if cp > 1:  # each sequence splits into 2·CP equal chunks, each rank's share a multiple of TP
-            unit = 2 * cp * tp
+        m = self.recipe.model
+        unit = m.tensor_model_parallel_size
+        if m.context_parallel_size > 1:
+            unit = sequence_multiple(self.recipe)
             batch = pad_each_sequence(batch, unit)
-        gathered_experts = m.expert_model_parallel_size > 1 and self.config.moe_token_dispatcher_type == "allgather"
-        if m.pipeline_model_parallel_size > 1 or gathered_experts:
-            return padded(batch, -(-max(self.recipe.data.max_tokens, batch.num_tokens) // unit) * unit)
+        if self._fixed_shapes():
+            return padded(batch, -(-max(self.recipe.data.max_tokens, length, batch.num_tokens) // unit) * unit)
         return padded(batch, -(-batch.num_tokens // unit) * unit)
+
+    def fit_all(self, batches: list) -> list:
+        """A step's micro-batches fitted; where shapes are fixed, all to one length: data.max_tokens,
+        or more when context parallel's per-sequence pads take a micro-batch past it (the packers
+        count real tokens, so which samples train together does not depend on the layout)."""
+        fitted = [self.fit(b) for b in batches]
+        longest = max((b.num_tokens for b in fitted), default=0)
+        if not self._fixed_shapes() or all(b.num_tokens == longest for b in fitted):
+            return fitted
+        return [self.fit(b, longest) for b in batches]
+
+    def _fixed_shapes(self) -> bool:
+        m = self.recipe.model
+        gathered_experts = m.expert_model_parallel_size > 1 and self.config.moe_token_dispatcher_type == "allgather"
+        return m.pipeline_model_parallel_size > 1 or gathered_experts
 
     @property
     def chunk(self):
@@ -219,9 +252,15 @@ class Engine:
     def _forward_step(self, loss_fn, context=None):
         device = self.device
 
+        mtp = bool(self.config.mtp_num_layers and self.config.mtp_loss_scaling_factor)
+
         def forward_step(data_iterator, model):
             batch = next(data_iterator).to(device)
             psp = batch.packed_seq_params(device)  # the whole sequences, under CP too
+            if mtp:  # the MTP loss's tokens: the main loss's, seen from the input side
+                from glm5_bridge.train.data import mtp_loss_mask
+
+                batch.mtp_loss_mask = mtp_loss_mask(batch)
             if self.recipe.model.context_parallel_size > 1:  # this rank's chunks of every sequence
                 from megatron.core import parallel_state
 
@@ -230,9 +269,11 @@ class Engine:
                 rows = local_rows(tuple(batch.lengths), parallel_state.get_context_parallel_world_size(),
                                   parallel_state.get_context_parallel_rank(), device)
                 batch = batch.take(rows)
+                batch.token_rows = rows  # per-sample payloads (routed experts) follow the same rows
+            extra = {"loss_mask": batch.mtp_loss_mask} if mtp else {}
             with context(batch, psp, model) if context else contextlib.nullcontext():
                 output = model(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=None,
-                               packed_seq_params=psp)
+                               packed_seq_params=psp, **extra)
             return output, lambda out: loss_fn(out, batch)
 
         return forward_step

@@ -29,7 +29,7 @@ class ModelConfig:
     # 16, 16]; empty = megatron's even split. A stage may not start on an IndexShare "shared" layer.
     pipeline_stage_layers: list[int] = field(default_factory=list)
     expert_model_parallel_size: int = 1
-    # Context parallel (SFT): every packed sequence split over CP ranks, DSA keys gathered per layer
+    # Context parallel (SFT and RL): every packed sequence split over CP ranks, DSA keys gathered per layer
     # (model/attention/context_parallel.py); sequences are padded to multiples of 2 × CP (× TP).
     context_parallel_size: int = 1
     mtp_loss_scaling_factor: float = 0.0  # LoRA fine-tuning trains the main LM loss only by default

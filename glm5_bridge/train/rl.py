@@ -181,15 +181,25 @@ def replay_context(replay: bool, base: bool = False):
                 stack.enter_context(adapters_off(model))
             if replay and batch.replay is not None:
                 IndexerReplay.attach(packed_seq_params, batch.replay)
-            if replay and batch.routes is not None:
-                stack.enter_context(replaying_routes(model, batch.routes))
+            if replay and batch.routes is not None:  # under CP the batch is this rank's share (token_rows)
+                stack.enter_context(replaying_routes(model, batch.routes, getattr(batch, "token_rows", None)))
             yield
     return context
 
 
 def with_padding_payloads(batch):
-    """After engine.fit: the padding segment (if any) gets payloads that ask for nothing (all −1: the
-    layer's indexer and the router choose), so every packed segment has one."""
+    """After engine.fit: payloads that follow its padding. A sequence padded at its end (context
+    parallel's `sequence_pads`) gets, per pad, the window of the most recent keys as top-k and −1
+    experts (the router chooses); the padding segment, if any, gets payloads that ask for nothing (all
+    −1: the layer's indexer and the router choose). Pads never enter the loss: these only make every
+    packed segment's payload as long as the segment."""
+    pads = getattr(batch, "sequence_pads", None)
+    if pads:
+        if batch.replay is not None:
+            batch.replay = [req.with_window_rows(e) if e else req for req, e in zip(batch.replay, pads)]
+        if batch.routes is not None:
+            batch.routes = [torch.cat([r, torch.full((e, *r.shape[1:]), -1, dtype=r.dtype)]) if e else r
+                            for r, e in zip(batch.routes, pads)]
     extra = getattr(batch, "padding_segment", 0)
     if not extra:
         return batch
@@ -197,12 +207,9 @@ def with_padding_payloads(batch):
         first = batch.replay[0]
         batch.replay = [*batch.replay, RequestTopk(torch.full((extra, first.num_layers, first.index_topk), -1,
                                                               dtype=torch.int32))]
-    if batch.routes is not None:
+    if batch.routes is not None:  # len − 1 rows, as a sample's: replaying_routes adds the last one
         first = batch.routes[0]
-        batch.routes = [*batch.routes, torch.full((extra, *first.shape[1:]), -1, dtype=torch.int32)]
-    n = batch.num_tokens - batch.rollout_logprobs.shape[1]
-    batch.rollout_logprobs = torch.cat([batch.rollout_logprobs, torch.zeros(1, n)], 1)
-    batch.advantages = torch.cat([batch.advantages, torch.zeros(1, n)], 1)
+        batch.routes = [*batch.routes, torch.full((extra - 1, *first.shape[1:]), -1, dtype=torch.int32)]
     return batch
 
 
@@ -306,7 +313,7 @@ def _train_rl(recipe: Recipe, stop_after: int | None) -> dict:
     stream.step(0, dp_rank, dp_size)
 
     return run_steps(recipe, engine, "rl",
-                     lambda step: rl_step(engine, [engine.fit(b) for b in stream.step(step, dp_rank, dp_size)],
+                     lambda step: rl_step(engine, engine.fit_all(stream.step(step, dp_rank, dp_size)),
                                           recipe, step + 1),
                      ["loss", "logprob_abs_diff_mean", "kl_rollout_train"], "rl.png", stop_after)
 

@@ -39,13 +39,28 @@ def decoder_routers(model) -> list:
     return routers
 
 
+def _router_tokens(targets: torch.Tensor, rows: torch.Tensor | None, config) -> torch.Tensor:
+    """The rows of the micro-batch's [T, topk] targets this rank's routers see, in their order: its
+    context-parallel share `rows` (global flat indices), then, under sequence parallelism, its
+    tensor-parallel rank's contiguous 1/TP of those."""
+    if rows is not None:
+        targets = targets[rows.to(targets.device)]
+    if getattr(config, "sequence_parallel", False):
+        from megatron.core import parallel_state
+
+        tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        targets = targets.chunk(tp)[rank]
+    return targets
+
+
 @contextmanager
-def replaying_routes(model, per_sample: list[torch.Tensor]):
+def replaying_routes(model, per_sample: list[torch.Tensor], rows: torch.Tensor | None = None):
     """Route every decoder MoE layer of this chunk by the given experts for the forward(s) inside
     the block.
 
     per_sample[i]: int32 [len_i − 1 (or len_i), MoE layers of the whole model, topk] for the i-th
-    packed sample, −1 rows routed by the router itself.
+    packed sample, −1 rows routed by the router itself. `rows`: under context parallelism, the global
+    flat rows of this rank's tokens (the model sees those, in that order).
     """
     routers = decoder_routers(model)
     first_moe = model.config.moe_layer_freq.index(1) if isinstance(model.config.moe_layer_freq, list) else 0
@@ -63,7 +78,8 @@ def replaying_routes(model, per_sample: list[torch.Tensor]):
         for router, targets in zip(routers, per_layer):
             replay = _ReplayWithGaps()
             RouterReplay.global_router_replay_instances.remove(replay)  # ours is scoped to this block
-            replay.set_target_indices(torch.cat(targets).long().to(router.weight.device))
+            mine = _router_tokens(torch.cat(targets), rows, model.config)
+            replay.set_target_indices(mine.long().to(router.weight.device))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             router.router_replay = replay
         yield

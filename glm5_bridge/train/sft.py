@@ -114,7 +114,7 @@ def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
     valid_batches = packed_batches(valid, data.max_tokens, hf.vocab_size, data.seed, 0)[dp_rank::dp_size] if valid else []
 
     def one_step(step: int) -> dict:
-        micro_batches = [engine.fit(b) for b in stream.step(step, dp_rank, dp_size)]
+        micro_batches = engine.fit_all(stream.step(step, dp_rank, dp_size))
         t0 = time.perf_counter()
         m = engine.step(micro_batches, sft_loss, METRICS)
         seconds = time.perf_counter() - t0
@@ -123,7 +123,7 @@ def _train_sft(recipe: Recipe, stop_after: int | None) -> dict:
                   "tokens_per_s": m["tokens"] / seconds, "step_seconds": seconds,
                   **step_rate(hf, micro_batches, seconds)}
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-            v, _ = engine.forward_only([engine.fit(b) for b in valid_batches], sft_loss, METRICS)
+            v, _ = engine.forward_only(engine.fit_all(valid_batches), sft_loss, METRICS)
             record["valid_loss"] = v["nll_sum"] / max(v["loss_tokens"], 1.0)
         return record
 

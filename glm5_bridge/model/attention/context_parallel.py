@@ -95,15 +95,12 @@ def gather_sequence(x: torch.Tensor, lengths: tuple[int, ...], group) -> torch.T
 def select_local_topk(select, q: torch.Tensor, k_global: torch.Tensor, weights: torch.Tensor,
                       starts_global: torch.Tensor, rows: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k (global flat indices, [T/CP, topk]) of this rank's queries `q` / `weights` (its rows
-    `rows` of the global layout) against every key `k_global`. `select` takes global row ranges, so
-    the local queries are placed at their global rows and each contiguous chunk is scored alone."""
-    total = k_global.shape[0]
-    q_g = q.new_zeros(total, *q.shape[1:])
-    w_g = weights.new_zeros(total, *weights.shape[1:])
-    q_g[rows], w_g[rows] = q, weights
+    `rows` of the global layout) against every key `k_global`. Each contiguous chunk of the rank's
+    rows is scored alone; `select` takes it as rows=(first, last + 1) with q holding just those rows
+    (attention/topk.query_base), so no sequence-sized query buffer is built."""
     out = []
     bounds = (torch.nonzero(torch.diff(rows) != 1).flatten() + 1).tolist()
     for a, b in zip([0, *bounds], [*bounds, rows.numel()]):
         first = int(rows[a])
-        out.append(select(q_g, k_global, w_g, starts_global, topk, rows=(first, first + b - a)))
+        out.append(select(q[a:b], k_global, weights[a:b], starts_global, topk, rows=(first, first + b - a)))
     return torch.cat(out)

@@ -104,8 +104,6 @@ class SparseMLACoreAttention(MegatronModule):
         """[queries, index_topk] flat key indices; under CP, `rows` are this rank's queries (global
         flat indices) and the keys are the gathered sequence's."""
         carrier = (packed_seq_params, attention_mask, position_ids)
-        if rows is not None and replay.in_session(carrier):
-            raise NotImplementedError("R3 indexer replay under context parallelism is not supported yet")
         if not self.computes_topk:
             return index_share.reuse(self.layer_number, self.source_layer, *carrier)
 
@@ -124,8 +122,9 @@ class SparseMLACoreAttention(MegatronModule):
                 return select_topk_split(self.select_topk, q, k, w, starts, self.index_topk,
                                          self.pg_collection.tp)
 
-        # R3 indexer replay (glm5_bridge/model/replay.py): compute(), or the recorded / replayed top-k.
-        topk = replay.resolve(self, starts, carrier, compute)
+        # R3 indexer replay (glm5_bridge/model/replay.py): compute(), or the recorded / replayed top-k
+        # (under CP: this rank's query rows of it).
+        topk = replay.resolve(self, starts, carrier, compute, rows)
         if self.publishes_topk:
             index_share.publish(self.layer_number, topk, *carrier)
         return topk

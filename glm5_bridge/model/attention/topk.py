@@ -47,22 +47,31 @@ def flat_starts_thd(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return flat_starts(sequence_lengths(cu_seqlens, total), cu_seqlens.device)
 
 
+def query_base(q_rows: int, a: int, b: int) -> int:
+    """The row of the T-row layout that q's row 0 is, for queries a … b−1: q holds either all T rows
+    (0) or exactly those b − a (a; context parallel passes a rank's own rows, without a T-row buffer).
+    The two agree when b − a = T (then a = 0)."""
+    return a if q_rows == b - a else 0
+
+
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
                 topk: int, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Top-`topk` visible keys per query by indexer score: [T, topk] int64 flat indices, −1 padded
-    (rows=(a, b): only queries a … b−1 of the T, → [b − a, topk]).
+    (rows=(a, b): only queries a … b−1 of the T, → [b − a, topk]; q and weights then hold either all
+    T rows or just those b − a, see query_base).
 
     Never raises on short sequences: a query with fewer than `topk` visible keys gets all of them
     and −1 in the remaining slots, so the width is always `topk`.
     """
     total = k.shape[0]
     a, b = rows or (0, total)
+    base = query_base(q.shape[0], a, b)
     out = torch.full((b - a, topk), -1, dtype=torch.int64, device=k.device)
     keys = torch.arange(total, device=k.device)
     width = min(topk, total)
     for r0 in range(a, b, SCORE_ROW_CHUNK):
         r1 = min(r0 + SCORE_ROW_CHUNK, b)
-        scores = index_scores(q[r0:r1], k, weights[r0:r1])
+        scores = index_scores(q[r0 - base:r1 - base], k, weights[r0 - base:r1 - base])
         visible = (keys[None, :] >= starts[r0:r1, None]) & (keys[None, :] <= keys[r0:r1, None])
         scores = scores.masked_fill(~visible, float("-inf"))
         best, idx = scores.topk(width, dim=-1)

@@ -175,30 +175,49 @@ class PackedBatch:
 PAD_ID = 0  # the token a padding segment holds (never in the loss)
 
 
+def _per_token(batch: PackedBatch) -> dict[str, torch.Tensor]:
+    """Every [1, T] tensor of the batch (the trainers add their own: rollout log-probs, advantages),
+    with `pad_mask` made explicit."""
+    rows = {name: value for name, value in vars(batch).items()
+            if torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == batch.num_tokens}
+    rows["pad_mask"] = pad_mask(batch)
+    return rows
+
+
+def _pad_fill(name: str, value: torch.Tensor, count: int, first_position: int) -> torch.Tensor:
+    """[1, count] of what a padding token holds in field `name`: token PAD_ID, positions counting on
+    from `first_position`, pad_mask 1, everything else (loss mask, per-token RL fields) 0."""
+    if name == "position_ids":
+        fill = torch.arange(first_position, first_position + count)
+    elif name == "pad_mask":
+        fill = torch.ones(count)
+    else:
+        fill = torch.full((count,), PAD_ID if name in ("input_ids", "labels") else 0)
+    return fill.to(value.dtype).unsqueeze(0)
+
+
 def pad_each_sequence(batch: PackedBatch, multiple: int) -> PackedBatch:
     """Every sequence padded at its end to a multiple of `multiple` tokens (context parallelism
     splits each sequence into equal chunks). The pads come after the sequence's real tokens, which
     never attend to them, and carry loss mask 0: the real tokens compute as before. Marked in
-    `pad_mask`."""
+    `pad_mask`; `sequence_pads` holds each sequence's count (per-sample payloads follow it)."""
     extra = [-n % multiple for n in batch.lengths]
     if not any(extra):
         return batch
-    source = {name: getattr(batch, name) for name in ("input_ids", "labels", "loss_mask", "position_ids")}
-    source["pad_mask"] = pad_mask(batch)
+    source = _per_token(batch)
     pieces = {name: [] for name in source}
     start = 0
     for n, e in zip(batch.lengths, extra):
         for name, value in source.items():
             pieces[name].append(value[:, start:start + n])
             if e:
-                fill = (torch.arange(n, n + e) if name == "position_ids" else torch.ones(e) if name == "pad_mask"
-                        else torch.full((e,), PAD_ID if name != "loss_mask" else 0))
-                pieces[name].append(fill.to(value.dtype).unsqueeze(0))
+                pieces[name].append(_pad_fill(name, value, e, n))
         start += n
     out = copy.copy(batch)
     for name, parts in pieces.items():
         setattr(out, name, torch.cat(parts, 1))
     out.lengths = [n + e for n, e in zip(batch.lengths, extra)]
+    out.sequence_pads = extra
     return out
 
 
@@ -212,14 +231,10 @@ def padded(batch: PackedBatch, length: int) -> PackedBatch:
     if extra == 0:
         return batch
     out = copy.copy(batch)
-    row = lambda x: torch.tensor(x, dtype=batch.input_ids.dtype).unsqueeze(0)  # noqa: E731
-    out.input_ids = torch.cat([batch.input_ids, row([PAD_ID] * extra)], 1)
-    out.labels = torch.cat([batch.labels, row([PAD_ID] * extra)], 1)
-    out.loss_mask = torch.cat([batch.loss_mask, torch.zeros(1, extra, dtype=batch.loss_mask.dtype)], 1)
-    out.position_ids = torch.cat([batch.position_ids, row(list(range(extra)))], 1)
+    for name, value in _per_token(batch).items():
+        setattr(out, name, torch.cat([value, _pad_fill(name, value, extra, 0)], 1))
     out.lengths = [*batch.lengths, extra]
     out.padding_segment = extra
-    out.pad_mask = torch.cat([pad_mask(batch), torch.ones(1, extra, dtype=torch.int8)], 1)
     return out
 
 
@@ -232,6 +247,17 @@ def pad_mask(batch: PackedBatch) -> torch.Tensor:
 def real_tokens(batch: PackedBatch) -> torch.Tensor:
     """The micro-batch's tokens that are not padding (a 0-d float tensor on its device)."""
     return (batch.input_ids.shape[1] - pad_mask(batch).to(batch.input_ids.device).sum()).float()
+
+
+def mtp_loss_mask(batch: PackedBatch) -> torch.Tensor:
+    """[1, T] the loss mask megatron's MTP loss takes (GPTModel's `loss_mask` with no labels): it
+    derives labels by rolling the inputs and rolls this mask with them, so the mask belongs to the
+    input side — token t's own flag, which is our label-side loss_mask[t − 1] within its sequence
+    (0 at a sequence's first token). The MTP layer then learns exactly the tokens the main loss
+    does, one further ahead; without it megatron counts every token, prompts and pads included."""
+    shifted = torch.zeros_like(batch.loss_mask)
+    shifted[:, 1:] = batch.loss_mask[:, :-1]
+    return torch.where(batch.position_ids == 0, torch.zeros_like(shifted), shifted)
 
 
 def pack(samples: list[tuple[list[int], list[int]]], vocab_size: int) -> PackedBatch:
