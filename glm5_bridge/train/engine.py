@@ -45,7 +45,7 @@ def data_parallel_info() -> tuple[int, int]:
 def sequence_multiple(recipe) -> int:
     """What every packed sequence is padded to a multiple of: 2·CP·TP under context parallelism (each
     sequence splits into 2·CP equal chunks, each rank's share a multiple of TP), else 1. The packers
-    count sequences at that length, so a padded micro-batch still holds ≤ data.max_tokens."""
+    count real tokens, so a padded micro-batch can exceed data.max_tokens a little (Engine.fit_all)."""
     m = recipe.model
     return 2 * m.context_parallel_size * m.tensor_model_parallel_size if m.context_parallel_size > 1 else 1
 
