@@ -171,3 +171,34 @@ def test_sigkill_at_random_steps_resumes_bit_identically(tiny_checkpoint, tmp_pa
 
     _checked.record("kill_resume", {"kills": KILLS, "resumes": len(cycles), "steps": STEPS,
                                     "save_every": SAVE_EVERY, "test": "tests/test_kill_resume.py"})
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie nobody reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_trainer_leaves_no_checkpoint_writer_behind():
+    """checkpoint.prepare() starts dist_checkpointing's multiprocessing manager (a spawned process,
+    with its resource tracker); when the trainer is SIGKILLed they must go too — megatron's own
+    manager stayed (~585 MB a killed run, until reboot)."""
+    if not sys.platform.startswith("linux"):
+        import pytest
+
+        pytest.skip("the parent-death signal is Linux's")
+    script = ("import os, time\nfrom glm5_bridge.train import checkpoint\ncheckpoint.prepare()\n"
+              "print(os.getpid(), flush=True)\ntime.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    pid = int(proc.stdout.readline())
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    assert children and all(_alive(c) for c in children)  # the manager (and its resource tracker)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [c for c in children if _alive(c)]

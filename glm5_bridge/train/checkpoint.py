@@ -77,13 +77,37 @@ def _rng_object(loading: bool):
     return ShardedObject("rng_state", state, (world,), (rank,), replica_id=0)
 
 
+def _exit_with_parent() -> None:
+    """Initializer of the writer's manager process: on Linux the kernel SIGKILLs it when the process
+    that started it dies (prctl PR_SET_PDEATHSIG = 1)."""
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
 def prepare() -> None:
     """Start dist_checkpointing's writer machinery (a multiprocessing manager, about 1.5 s to spawn)
     before training rather than inside the first save, so every save is as short as the later ones:
-    a process killed while saving loses that checkpoint."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import get_write_results_queue
+    a process killed while saving loses that checkpoint.
 
-    get_write_results_queue()
+    megatron-core makes that manager itself (`get_write_results_queue`: a spawned server process that
+    nothing stops when its trainer is SIGKILLed — it stayed, with its resource tracker, ~585 MB each,
+    until reboot). Ours is the same manager started with `_exit_with_parent`; megatron then finds its
+    queue in place and uses it."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_exit_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager alive
+    filesystem_async.get_write_results_queue()
 
 
 def save(folder: Path, step: int, engine, history: list[dict]) -> Path:
