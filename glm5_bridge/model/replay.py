@@ -224,11 +224,13 @@ def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, 
                          f"payload {len(reqs)} requests (layer {layer.layer_number})")
     total = starts.shape[0]
     whole = rows is None
-    # Row bookkeeping on the host: which request and position each query row is.
-    rows_cpu = torch.arange(total) if whole else rows.cpu()
-    seg_of = torch.searchsorted(torch.tensor([a for a, _, _ in segments]), rows_cpu, right=True) - 1
-    pos_cpu = rows_cpu - torch.tensor([a for a, _, _ in segments])[seg_of]
-    n = rows_cpu.shape[0]
+    q_rows = torch.arange(total, device=device) if whole else rows
+    n = q_rows.shape[0]
+    if not whole:  # which request and position each of this rank's rows is: host bookkeeping
+        rows_cpu = rows.cpu()
+        seg_starts = torch.tensor([a for a, _, _ in segments])
+        seg_of = torch.searchsorted(seg_starts, rows_cpu, right=True) - 1
+        pos_cpu = rows_cpu - seg_starts[seg_of]
     local = torch.full((n, k), -1, dtype=torch.int64, device=device)
     given = torch.zeros(n, dtype=torch.bool, device=device)
     tokens = torch.zeros(n, dtype=torch.int64, device=device)  # request length (rows + 1) per row
@@ -253,7 +255,8 @@ def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, 
         given[at] = True
         tokens[at] = req.rows + 1
 
-    q_rows, q_starts, pos = rows_cpu.to(device), starts[rows_cpu.to(device)], pos_cpu.to(device)
+    q_starts = starts if whole else starts[rows]
+    pos = q_rows - q_starts
     ordered = local.sort(dim=1).values
     bad_keys = [local < -1, local >= tokens[:, None], local > pos[:, None],  # per key
                 (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)]
@@ -265,7 +268,9 @@ def _replayed(layer, bound: _Bound, slot, num_slots, starts, packed_seq_params, 
     for kind, message in enumerate(messages):
         if found[kind] and (kind < 4 or session.on_missing == "error"):
             t = int(checks[:, kind].nonzero()[0, 0])
-            r, i = int(seg_of[t]), int(pos_cpu[t])
+            row = int(q_rows[t])
+            r = next(j for j, (a, n, _) in enumerate(segments) if a <= row < a + n)
+            i = row - segments[r][0]
             key = int((ordered[t, 1:] if kind == 3 else local[t])[bad_keys[kind][t]][0]) if kind < 4 else None
             _fail(r, reqs[r], layer, slot, num_slots, f"row {i} " + message.format(key=key, n=reqs[r].rows + 1, i=i))
 

@@ -103,11 +103,10 @@ def prepare() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
+    if filesystem_async._results_queue is None:  # what get_write_results_queue() looks at
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         manager.start(_exit_with_parent)
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps its manager alive
-    filesystem_async.get_write_results_queue()
 
 
 def save(folder: Path, step: int, engine, history: list[dict]) -> Path:

@@ -180,9 +180,8 @@ class Engine:
         from glm5_bridge.train.data import pad_each_sequence, padded
 
         m = self.recipe.model
-        unit = m.tensor_model_parallel_size
+        unit = max(m.tensor_model_parallel_size, sequence_multiple(self.recipe))
         if m.context_parallel_size > 1:
-            unit = sequence_multiple(self.recipe)
             batch = pad_each_sequence(batch, unit)
         if self._fixed_shapes():
             return padded(batch, -(-max(self.recipe.data.max_tokens, length, batch.num_tokens) // unit) * unit)
