@@ -425,22 +425,27 @@ def bench_indexer(seqs, heads=32, dim=128, reps=5):
 
         starts = torch.zeros(s, dtype=torch.int64, device="cuda")
 
-        def ours():  # our score kernel over causal key windows + our radix select, ROW_BLOCK rows a block
-            return ours_indexer.select_topk(iq, ik, w, starts, TOPK)
+        def ours(**kw):  # our score kernel over causal key windows + our radix select, row blocks as planned
+            return ours_indexer.select_topk(iq, ik, w, starts, TOPK, **kw)
 
         def ours_torch_topk():  # the same with torch.topk as the selection
             return ours_indexer.select_topk(iq, ik, w, starts, TOPK, select=ours_indexer.torch_select)
 
         def ours_scores_only():  # the score blocks alone: what the selection costs is the difference
-            blocks = range(0, s, ours_indexer.ROW_BLOCK)  # window starts read once, as select_topk does
-            for r0, w0 in zip(blocks, ours_indexer.window_starts(starts, 0, s, ours_indexer.ROW_BLOCK)):
-                ours_indexer.block_scores(iq, ik, w, starts, r0, min(r0 + ours_indexer.ROW_BLOCK, s), w0=w0)
+            for r0, r1, w0 in ours_indexer.row_blocks(starts, 0, s):  # one host read, as select_topk
+                ours_indexer.block_scores(iq, ik, w, starts, r0, r1, w0=w0)
 
         same = (ours().sort(1).values == ours_torch_topk().sort(1).values).all(1).float().mean().item()
-        emit("indexer_check", S=s, rows_identical_radix_vs_torch_topk=round(same, 6))
-        for name, fn, n in (("ours", ours, reps), ("ours_torch_topk", ours_torch_topk, reps),
-                            ("ours_scores_only", ours_scores_only, reps),
-                            ("upstream_tilelang+torch.topk", up, reps), ("torch_chunked", tref, 2)):
+        emit("indexer_check", S=s, rows_identical_radix_vs_torch_topk=round(same, 6),
+             **fp32_agreement(iq, ik, w, ours()))
+        # the score block's byte budget (indexer.BLOCK_BYTES is the default); "rows4096" is the
+        # blocking before the budget: 4096 rows a block, whatever the window
+        variants = [("ours", ours, reps), ("ours_rows4096", lambda: ours(block_bytes=1 << 40), reps)]
+        variants += [(f"ours_budget{mib}MiB", lambda mib=mib: ours(block_bytes=mib << 20), reps)
+                     for mib in (16, 32, 128) if mib << 20 != ours_indexer.BLOCK_BYTES]
+        variants += [("ours_torch_topk", ours_torch_topk, reps), ("ours_scores_only", ours_scores_only, reps),
+                     ("upstream_tilelang+torch.topk", up, reps), ("torch_chunked", tref, 2)]
+        for name, fn, n in variants:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -451,7 +456,39 @@ def bench_indexer(seqs, heads=32, dim=128, reps=5):
                 continue
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
             emit("indexer", impl=name, S=s, heads=heads, dim=dim, topk=TOPK, ms=round(t, 3), spread_ms=round(sp, 3),
-                 peak_extra_gib=round(peak, 3), score_gflop=2 * s * s / 2 * heads * dim / 1e9)
+                 peak_extra_gib=round(peak, 3), score_gflop=2 * s * s / 2 * heads * dim / 1e9,
+                 **({"block_bytes": ours_indexer.BLOCK_BYTES} if name == "ours" else {}))
+
+
+def fp32_agreement(iq, ik, w, picked, rows=2048, tie_rel=1e-6, topk=TOPK):
+    """Our top-k (causal, one sequence) against the fp32 reference's, row by row: the share of rows
+    with the same set, and the rows that differ by more than an exact tie — a key only one side
+    picked whose fp32 reference score differs from the other side's swapped key's by more than
+    tie_rel of the row's largest |score| (a pure tie differs by 0; summation order, ~1e-7)."""
+    s, dev = ik.shape[0], ik.device
+    keys = torch.arange(s, device=dev)
+    same = beyond_ties = 0
+    worst = 0.0
+    for r0 in range(0, s, rows):
+        r1 = min(r0 + rows, s)
+        sc = torch.einsum("rhd,sd->rhs", iq[r0:r1].float(), ik.float()).relu_()
+        sc = torch.einsum("rhs,rh->rs", sc, w[r0:r1]).masked_fill(keys[None] > keys[r0:r1, None], float("-inf"))
+        ref = sc.topk(topk, dim=-1).indices
+        ref = ref.masked_fill(sc.gather(1, ref) == float("-inf"), -1).sort(1).values
+        ours = picked[r0:r1].sort(1).values
+        eq = (ours == ref).all(1)
+        same += int(eq.sum())
+        for i in (~eq).nonzero().flatten().tolist():
+            a, b = set(ours[i].tolist()) - {-1}, set(ref[i].tolist()) - {-1}
+            row = sc[i]
+            only_ours = row[torch.tensor(sorted(a - b), device=dev, dtype=torch.long)]
+            only_ref = row[torch.tensor(sorted(b - a), device=dev, dtype=torch.long)]
+            gap = (only_ref.max() - only_ours.min()).item() if len(only_ours) and len(only_ref) else float("inf")
+            scale = row[row > float("-inf")].abs().max().item()
+            worst = max(worst, gap / scale)
+            beyond_ties += gap > tie_rel * scale
+    return dict(rows_identical_vs_fp32=round(same / s, 6), rows_beyond_ties_vs_fp32=beyond_ties,
+                worst_swap_gap_rel=float(f"{worst:.3g}"), tie_rel=tie_rel)
 
 
 # ---------------------------------------------------------------------------------------------- compile
@@ -541,6 +578,81 @@ def headline():
              below_pinned={b: total < ms for b, ms in pinned.items()})
 
 
+# ---------------------------------------------------------------------------------------------- tp
+def bench_tp_ranks(seqs, tps, reps, device="cuda"):
+    """What one tensor-parallel rank runs (the issue's target 3), every rank of each P played in turn
+    on this GPU (bench_tp.py's --emulate: torch's fake process group, no wire): our sparse MLA fwd +
+    bwd on the "tilelang" backend, heads split (megatron's layout: 64/P heads over all tokens) and
+    tokens split (attention/token_parallel: 64 heads over the rank's row_bounds range). One
+    `tp_attention` row per (S, P, rank, layout)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    import bench_tp
+
+    for parts in tps:
+        for rank in range(parts):
+            dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
+            try:
+                for s in seqs:
+                    for row in bench_tp.bench_attention(s, device, dist.group.WORLD, reps, baseline=True):
+                        emit("tp_attention", tp=parts, rank=rank, **{k: v for k, v in row.items() if k != "part"})
+            finally:
+                dist.destroy_process_group()
+
+
+def targets():
+    """One `target` row per target of issue 39 that this run's rows can answer, each with the
+    figures it compares, the bar and met true/false (rows it needs but did not run: skipped)."""
+    def pick(kind, **match):
+        return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
+
+    def emit_target(name, value, bar, met, **figures):
+        emit("target", target=name, value=value, bar=bar, met=bool(met), **figures)
+
+    for s, ratio in ((8192, 1.0), (16384, 0.6)):  # 1. indexer + fwd + bwd against dense SDPA fwd + bwd
+        h = pick("headline", S=s, H=64)
+        if h:
+            emit_target(f"1_headline_{s // 1024}K", round(h["total_ms"] / h["dense_fwd_bwd_ms"], 3), ratio,
+                        h["total_ms"] <= ratio * h["dense_fwd_bwd_ms"], total_ms=h["total_ms"],
+                        dense_fwd_bwd_ms=h["dense_fwd_bwd_ms"], dense_picks=h.get("dense_picks"))
+    ours64 = pick("sparse_mla", impl="ours", S=8192, H=64)
+    if ours64 and "bwd_ms" in ours64:  # 2. useful TFLOP/s at 8K × 64 heads
+        emit_target("2_fwd_useful_tflops_8K_64h", ours64["fwd_useful_tflops"], 620, ours64["fwd_useful_tflops"] >= 620,
+                    all_slots_tflops=ours64["fwd_tflops"], fwd_ms=ours64["fwd_ms"])
+        emit_target("2_bwd_useful_tflops_8K_64h", ours64["bwd_useful_tflops"], 450, ours64["bwd_useful_tflops"] >= 450,
+                    all_slots_tflops=ours64["bwd_tflops"], bwd_ms=ours64["bwd_ms"])
+    # 3. per-rank efficiency at TP P: (one GPU's 64-head fwd + bwd) / (P × slowest rank's), through the
+    # same backend path (bench_tp's rank 0 of P = 1 is not run: the 64-head raw kernels stand in)
+    for s, parts in sorted({(r["S"], r["tp"]) for r in ROWS if r["kind"] == "tp_attention"}):
+        full = pick("sparse_mla", impl="iface[ours]", S=s, H=64)
+        if not full or "bwd_ms" not in full:
+            continue
+        one_gpu = full["fwd_ms"] + full["bwd_ms"]
+        layouts = {}
+        for impl in ("heads_split", "tokens_split"):
+            got = [r["fwd_bwd_ms"] for r in ROWS if r["kind"] == "tp_attention" and (r["S"], r["tp"], r["impl"]) == (s, parts, impl)]
+            if len(got) == parts:
+                layouts[impl] = dict(slowest_rank_ms=max(got), efficiency=round(one_gpu / (parts * max(got)), 3))
+        if layouts:
+            best = max(layouts, key=lambda k: layouts[k]["efficiency"])
+            emit_target(f"3_tp{parts}_per_rank_efficiency_{s // 1024}K", layouts[best]["efficiency"], 0.8,
+                        layouts[best]["efficiency"] >= 0.8, faster_layout=best, one_gpu_64h_fwd_bwd_ms=round(one_gpu, 3),
+                        layouts=layouts, note="compute only: the wire is not timed (fake process group)")
+    idx, chk = pick("indexer", impl="ours", S=32768), pick("indexer_check", S=32768)
+    if idx and "ms" in idx:  # 4. the indexer at 32K
+        emit_target("4_indexer_32K_ms", idx["ms"], 10, idx["ms"] <= 10)
+        emit_target("4_indexer_32K_extra_gib", idx["peak_extra_gib"], 0.6, idx["peak_extra_gib"] <= 0.6,
+                    counts="peak allocated during the call minus before: the [T, 2048] int64 result and the score block")
+    if chk and "rows_beyond_ties_vs_fp32" in chk:
+        emit_target("4_indexer_32K_selection_vs_fp32", chk["rows_beyond_ties_vs_fp32"], 0, chk["rows_beyond_ties_vs_fp32"] == 0,
+                    rows_identical=chk["rows_identical_vs_fp32"], worst_swap_gap_rel=chk["worst_swap_gap_rel"])
+    comp = pick("compile", impl="ours_fwd_bwd")
+    if comp:  # 5. no recompiles over 20 random lengths (the first call builds)
+        emit_target("5_builds_over_20_lengths", comp["kernel_builds"], "fwd + bwd built once",
+                    comp["kernel_builds"] <= 2, lengths=len(comp["lengths"]))
+
+
 def main():
     global OUT_PATH
     ap = argparse.ArgumentParser()
@@ -549,6 +661,8 @@ def main():
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--dense-heads", default="64", help="head counts of the dense bar (fewer: one TP rank's)")
     ap.add_argument("--indexer-seqs", default="8192,16384,32768")
+    ap.add_argument("--tp", default="4,8", help="TP sizes the tp part plays, every rank on this GPU")
+    ap.add_argument("--tp-seqs", default="8192")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
@@ -573,7 +687,10 @@ def main():
     if "dense" in parts:
         for heads in [int(x) for x in a.dense_heads.split(",")]:
             bench_dense([int(x) for x in a.seqs.split(",")], heads)
+    if "tp" in parts:
+        bench_tp_ranks([int(x) for x in a.tp_seqs.split(",")], [int(x) for x in a.tp.split(",")], max(3, a.reps // 2))
     headline()
+    targets()
     print("\n== summary ==")
     for r in ROWS:
         print(json.dumps({k: v for k, v in r.items() if k != "lengths"}))

@@ -36,6 +36,9 @@ jobs=(
   "ui._get_indexer_fwd_kernel(32, 128); ui._get_clean_logits_kernel()"
   "from glm5_bridge.kernels import indexer as I; I.get_logits_kernel(32, 128)"
   "from glm5_bridge.kernels import radix_topk as R; R.get_select_kernel(2048)"
+  "S.compile_kernels(8, 2048, 1/16, parts=('fwd', 'delta'))"
+  "S.compile_kernels(8, 2048, 1/16, parts=('bwd',))"
+  "S.compile_kernels(16, 2048, 1/16, parts=('bwd', 'delta'))"
 )
 pids=()
 i=0
@@ -51,4 +54,4 @@ for pid in "${pids[@]}"; do
   if wait "$pid"; then echo "compile $i ok: ${jobs[$((i - 1))]}"; else echo "compile $i FAILED: ${jobs[$((i - 1))]}"; tail -25 "$out/compile_$i.log"; fi
 done > "$out/compile.txt"; cat "$out/compile.txt"
 echo "compile: $(( $(date +%s) - start )) s" | tee -a "$out/compile.txt"
-timeout 420 python3 benchmarks/bench_dsa.py --out "$out/bench_dsa.json" "$@" 2>&1 | tee "$out/bench.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_dsa.py --out "$out/bench_dsa.json" "$@" 2>&1 | tee "$out/bench.log"

@@ -14,6 +14,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GLM5_GPU_RESULTS="$out/results.jsonl"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 rm -f "$GLM5_GPU_RESULTS"
+source scripts/modelopt_standin.sh  # the real-width test's Megatron → HF step; the packed site has no modelopt
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv \
     | tee "$out/gpu.txt"

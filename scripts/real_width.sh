@@ -13,16 +13,9 @@ mkdir -p "$work/logs"
 if ! python3 -c "import megatron.core, tilelang" 2>/dev/null; then
     [ -f .site/site.tar.xz ] || { echo "megatron-core / tilelang missing and no .site/site.tar.xz"; exit 1; }
     [ -f /tmp/site/.unpacked ] || { mkdir -p /tmp/site && tar -C /tmp/site -xJf .site/site.tar.xz && touch /tmp/site/.unpacked; }
-    # The site leaves out nvidia-modelopt (17 MB, with pydantic and pulp), which an installed
-    # glm5-bridge has through megatron-bridge; megatron-bridge 0.6.2's HF writer imports it only to
-    # ask whether the model is quantized. On the device machine alone, that one answer stands in.
-    if ! python3 -c "import modelopt" 2>/dev/null; then
-        q=/tmp/site/modelopt/torch/quantization
-        mkdir -p $q && touch /tmp/site/modelopt/__init__.py /tmp/site/modelopt/torch/__init__.py $q/__init__.py
-        printf 'def is_quantized(model):\n    return False\n' > $q/utils.py
-    fi
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+source scripts/modelopt_standin.sh  # megatron-bridge's HF writer imports nvidia-modelopt; the site has none
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[1])")
 out=benchmarks/results/real_width_${gpu}_$(date +%F).json

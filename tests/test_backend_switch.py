@@ -328,6 +328,25 @@ def test_indexer_window_starts_are_each_blocks_min():
     assert window_starts(starts, 7, 8, 4) == [7]  # one row, padded
 
 
+def test_row_blocks_keep_the_score_block_within_its_budget():
+    """kernels/indexer.row_blocks: contiguous blocks covering [a, b), each block's padded score tiles
+    within block_bytes (past its first unit), its w0 the min of its rows' starts; a bigger budget
+    takes fewer blocks, up to row_block rows."""
+    from glm5_bridge.kernels import indexer
+
+    starts = torch.tensor([0] * 3000 + [3000] * 2000 + [5000] * 7000)  # three packed sequences
+    for a, b, budget in [(0, 12000, 4 << 20), (0, 12000, 40 << 20), (4000, 11000, 1 << 20), (0, 100, 1)]:
+        blocks = indexer.row_blocks(starts, a, b, row_block=4096, block_bytes=budget)
+        assert blocks[0][0] == a and blocks[-1][1] == b
+        assert all(x[1] == y[0] for x, y in zip(blocks, blocks[1:]))
+        for r0, r1, w0 in blocks:
+            assert w0 == int(starts[r0:r1].min()) and r1 - r0 <= 4096
+            size = indexer._ceil_to(r1 - r0, indexer.QUERIES) * indexer._ceil_to(r1 - w0, indexer.CHUNK) * 4
+            assert size <= budget or r1 - r0 <= indexer.ROW_UNIT, (r0, r1, w0, size)
+    assert len(indexer.row_blocks(starts, 0, 12000, block_bytes=4 << 20)) > 12000 // 4096 + 1
+    assert len(indexer.row_blocks(starts, 0, 12000, block_bytes=1 << 40)) == 3  # ROW_BLOCK rows each
+
+
 def test_indexer_top_k_wider_than_the_score_block():
     """kernels/indexer.select_topk when top-k is wider than a block's padded key window (CHUNK
     columns): the block goes to torch_select, which must write −1 into the slots past the window
@@ -344,8 +363,8 @@ def test_indexer_top_k_wider_than_the_score_block():
     assert torch.equal(ours.sort(1).values, select_topk(q, k, w, starts, topk).sort(1).values)
 
 
-@pytest.mark.parametrize("row_block", [4096, 50, 7])
-def test_indexer_host_code_matches_torch_topk(row_block):
+@pytest.mark.parametrize("row_block,block_bytes", [(4096, 64 << 20), (50, 64 << 20), (7, 64 << 20), (4096, 40_000)])
+def test_indexer_host_code_matches_torch_topk(row_block, block_bytes):
     """kernels/indexer.select_topk's blocking (row blocks, causal key windows that start mid-block,
     tile padding, window-relative bounds, −1 padding) with a torch stand-in for the score kernel:
     the same top-k as attention/topk.select_topk. The kernel itself: tests/gpu/test_indexer.py."""
@@ -358,7 +377,7 @@ def test_indexer_host_code_matches_torch_topk(row_block):
     q, k = torch.randn(total, heads, dim, generator=g), torch.randn(total, dim, generator=g)
     w = torch.randn(total, heads, generator=g) / 16
     starts = flat_starts_thd(torch.tensor([0, *lengths]).cumsum(0), total)
-    ours = indexer.select_topk(q, k, w, starts, topk, row_block=row_block,
+    ours = indexer.select_topk(q, k, w, starts, topk, row_block=row_block, block_bytes=block_bytes,
                                kernel=indexer.reference_logits_kernel(heads, dim))
     ref = select_topk(q, k, w, starts, topk)
     assert torch.equal(ours.sort(1).values, ref.sort(1).values)
@@ -366,5 +385,5 @@ def test_indexer_host_code_matches_torch_topk(row_block):
     # a tensor-parallel rank's share of the rows (attention/topk.select_topk_split), mid-sequence
     for a, b in [(70, 200), (0, 1), (300, 307)]:
         part = indexer.select_topk(q, k, w, starts, topk, rows=(a, b), row_block=row_block,
-                                   kernel=indexer.reference_logits_kernel(heads, dim))
+                                   block_bytes=block_bytes, kernel=indexer.reference_logits_kernel(heads, dim))
         assert torch.equal(part.sort(1).values, ref[a:b].sort(1).values), (a, b)

@@ -37,3 +37,64 @@ def test_headline_against_chosen_and_pinned_dense(bench):
     assert row["dense_fwd_bwd_ms"] == 18.0 and row["dense_picks"] == "cudnn" and row["below_dense"] is False
     assert row["dense_pinned_fwd_bwd_ms"] == {"flash": 28.0, "cudnn": 18.5}
     assert row["below_pinned"] == {"flash": True, "cudnn": False}
+
+
+def test_targets_from_one_runs_rows(bench):
+    """bench_dsa.targets: issue 39's targets from the run's rows, each with its bar and met flag."""
+    bench.emit("indexer", impl="ours", S=8192, ms=1.0)
+    bench.emit("sparse_mla", impl="ours", S=8192, H=64, fwd_ms=4.0, bwd_ms=14.0, fwd_useful_tflops=630.0,
+               fwd_tflops=720.0, bwd_useful_tflops=400.0, bwd_tflops=457.0)
+    bench.emit("sparse_mla", impl="iface[ours]", S=8192, H=64, fwd_ms=4.0, bwd_ms=16.0)
+    bench.emit("dense_sdpa", S=8192, H=64, backend="auto", picks="cudnn", fwd_bwd_ms=18.0)
+    for rank, ms in enumerate([5.0, 6.25]):  # TP 2: tokens split, slowest rank 6.25 → 20 / (2 · 6.25) = 1.6
+        bench.emit("tp_attention", tp=2, rank=rank, S=8192, impl="tokens_split", fwd_bwd_ms=ms)
+        bench.emit("tp_attention", tp=2, rank=rank, S=8192, impl="heads_split", fwd_bwd_ms=12.5)
+    bench.emit("indexer", impl="ours", S=32768, ms=12.0, peak_extra_gib=0.56)
+    bench.emit("indexer_check", S=32768, rows_beyond_ties_vs_fp32=0, rows_identical_vs_fp32=0.9999,
+               worst_swap_gap_rel=1e-7)
+    bench.emit("compile", impl="ours_fwd_bwd", kernel_builds=2, lengths=[1] * 20)
+    bench.headline()
+    bench.targets()
+    got = {r["target"]: r for r in bench.ROWS if r["kind"] == "target"}
+    assert got["1_headline_8K"]["value"] == round(19.0 / 18.0, 3) and got["1_headline_8K"]["met"] is False
+    assert got["2_fwd_useful_tflops_8K_64h"]["met"] is True and got["2_bwd_useful_tflops_8K_64h"]["met"] is False
+    tp = got["3_tp2_per_rank_efficiency_8K"]
+    assert tp["faster_layout"] == "tokens_split" and tp["value"] == 1.6 and tp["met"] is True
+    assert tp["layouts"]["heads_split"]["efficiency"] == 0.8
+    assert got["4_indexer_32K_ms"]["met"] is False and got["4_indexer_32K_extra_gib"]["met"] is True
+    assert got["4_indexer_32K_selection_vs_fp32"]["met"] is True
+    assert got["5_builds_over_20_lengths"]["met"] is True
+    assert "1_headline_16K" not in got  # no 16K rows ran
+
+
+def test_fp32_agreement_tells_ties_from_wrong_picks(bench):
+    """bench_dsa.fp32_agreement: the reference's own top-k agrees fully; a row whose pick is swapped
+    for a much lower-scored key counts beyond ties; swapping two exactly tied keys does not."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    s, heads, dim, k, row = 40, 8, 16, 8, 39
+    iq, ik, w = torch.randn(s, heads, dim, generator=g), torch.randn(s, dim, generator=g), torch.rand(s, heads, generator=g)
+    keys = torch.arange(s)
+
+    def scores():
+        sc = torch.einsum("rhd,sd->rhs", iq, ik).relu().mul(w[:, :, None]).sum(1)
+        return sc.masked_fill(keys[None] > keys[:, None], float("-inf"))
+
+    order = scores()[row].argsort(descending=True)
+    kth, next_ = int(order[k - 1]), int(order[k])
+    ik[next_] = ik[kth]  # row 39's k-th and (k+1)-th keys now tie exactly: either is a right pick
+    sc = scores()
+    best = sc.topk(k, dim=-1)
+    ref = best.indices.masked_fill(best.values == float("-inf"), -1)
+    assert bench.fp32_agreement(iq, ik, w, ref, rows=16, topk=k)["rows_beyond_ties_vs_fp32"] == 0
+    wrong = ref.clone()
+    wrong[row, 0] = int(sc[row].argmin())  # a key far below the k-th score
+    got = bench.fp32_agreement(iq, ik, w, wrong, rows=16, topk=k)
+    assert got["rows_beyond_ties_vs_fp32"] == 1 and got["rows_identical_vs_fp32"] == round((s - 1) / s, 6)
+    tied = ref.clone()
+    picks = ref[row].tolist()
+    slot = picks.index(kth if kth in picks else next_)
+    tied[row, slot] = next_ if picks[slot] == kth else kth  # the other of the tied pair
+    got = bench.fp32_agreement(iq, ik, w, tied, rows=16, topk=k)
+    assert got["rows_beyond_ties_vs_fp32"] == 0 and got["rows_identical_vs_fp32"] == round((s - 1) / s, 6)

@@ -5,16 +5,21 @@ Math (attention/topk.py has the torch version, `select_topk`, with the same resu
     topk[t]     = the `topk` visible keys s (starts[t] ≤ s ≤ t) with the largest scores,
                   flat int64 indices, −1 padded, always `topk` wide.
 
-Queries run in blocks of ROW_BLOCK rows. A block only scores the keys any of its rows can see
-(from the earliest start to its last row), so the one T-sized buffer is a [rows, window] fp32
-score block — never [T, T] — and causal blocks score half the keys on average. Our radix select
-(radix_topk.py) then takes each row's top-k within the block. Host side per call: one host read
-(every block's window start, `window_starts`); per block an int32 view of its starts, the score
-block's allocation and the two kernels — the kernel reads the block's q, w and window keys where
-they lie and derives each row's window itself, so nothing is padded or copied. select_topk
-takes 1.08 / 3.47 / 13.76 ms at 8K / 16K / 32K tokens on an H100 (upstream's TileLang scores +
-torch.topk 7.89 / 29.71 / 116.22); one host read and ~20 small ops (padding copies, bound
-tensors) per block instead cost 1.41 against 1.06 ms at 8K (H100, same process).
+Queries run in row blocks (`row_blocks`: as many rows, up to ROW_BLOCK, as keep the block's
+scores within BLOCK_BYTES). A block only scores the keys any of its rows can see (from the
+earliest start to its last row), so the one T-sized buffer is a [rows, window] fp32 score block
+of at most BLOCK_BYTES (past one ROW_UNIT of rows), never [T, T], and one block is alive at a
+time. Our radix select (radix_topk.py) then takes each row's top-k within the block. Host side
+per call: one host read (every ROW_UNIT's window start, `window_starts`); per block an int32 view
+of its starts, the score block's allocation and the two kernels — the kernel reads the block's q,
+w and window keys where they lie and derives each row's window itself, so nothing is padded or
+copied. H100, one process (benchmarks/results/h100_2026-12-07_bench_dsa_targets.json):
+select_topk takes 1.11 / 3.71 / 14.42 ms at 8K / 16K / 32K tokens with 0.19 / 0.31 / 0.56 GiB
+extra (the int64 result included); 4096-row blocks took 1.12 / 3.56 / 13.97 ms and 0.25 / 0.50 /
+1.00 GiB (1.44 GiB at 32K while the previous block was still alive at the next one's
+allocation); upstream's TileLang scores + torch.topk 7.87 / 30.35 / 116.47 ms, 4.81 GiB at 32K.
+One host read and ~20 small ops (padding copies, bound tensors) per block instead cost 1.41
+against 1.06 ms at 8K (H100, same process).
 
 Kernel: one CTA per (4 queries, 512 keys). The 4 queries' 32-head q rows stay in shared memory
 while the CTA walks its keys in tiles of 128 (cp.async, double-buffered); per tile one wgmma
@@ -48,7 +53,13 @@ import torch
 
 from glm5_bridge.kernels._tilelang import compile_kernel, tl
 
-ROW_BLOCK = 4096  # rows per selection call: the score block is ROW_BLOCK · window · 4 bytes
+ROW_BLOCK = 4096  # most rows per selection call
+# The score block's byte budget: a block takes as many rows (in steps of ROW_UNIT, at most
+# ROW_BLOCK) as keep rows · window · 4 bytes within it, so the one T-sized buffer shrinks as the
+# windows grow (32K tokens: 512 rows, 64 MiB, against 4096 rows and 512 MiB before). The first
+# ROW_UNIT rows of a block are taken whatever their window.
+BLOCK_BYTES = 64 << 20
+ROW_UNIT = 256
 QUERIES = 4  # queries per CTA: one wgmma of N = 4 · heads columns per key tile (SCORE_EPILOGUE's quad)
 KEYS = 128  # keys per GEMM tile
 CHUNK = 512  # keys per CTA: CHUNK // KEYS tiles walked with Q resident and K double-buffered
@@ -211,6 +222,27 @@ def window_starts(starts, a: int, b: int, row_block: int) -> list[int]:
     return s.view(-1, row_block).amin(1).tolist()
 
 
+def row_blocks(starts, a: int, b: int, row_block: int = ROW_BLOCK,
+               block_bytes: int = BLOCK_BYTES) -> list[tuple[int, int, int]]:
+    """The selection's row blocks of queries [a, b): (r0, r1, w0) with w0 the block's first key
+    (min of its starts). Units of min(ROW_UNIT, row_block) rows are joined while the block's score
+    tiles (rows padded to QUERIES, keys to CHUNK, fp32) stay within block_bytes and its rows within
+    row_block. One host read (every unit's first key)."""
+    unit = min(ROW_UNIT, row_block)
+    firsts = window_starts(starts, a, b, unit)
+    blocks, i = [], 0
+    while i < len(firsts):
+        r0, w0, j = a + i * unit, firsts[i], i + 1
+        while j < len(firsts) and (j + 1 - i) * unit <= row_block:
+            w, r1 = min(w0, firsts[j]), min(a + (j + 1) * unit, b)
+            if _ceil_to(r1 - r0, QUERIES) * _ceil_to(r1 - w, CHUNK) * 4 > block_bytes:
+                break
+            w0, j = w, j + 1
+        blocks.append((r0, min(a + j * unit, b), w0))
+        i = j
+    return blocks
+
+
 def torch_select(scores, topk: int, out, base: int):
     """radix_topk.select's contract by torch.topk, also for rows shorter than topk (the slots past
     their columns get −1): like the radix select it writes every slot of `out`."""
@@ -228,12 +260,12 @@ def accepts(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts: torch.Tensor,
                 topk: int, rows: tuple[int, int] | None = None, row_block: int = ROW_BLOCK, kernel=None,
-                select=None) -> torch.Tensor:
+                select=None, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
     """model/attention/topk.select_topk's contract ([T, topk] int64 flat indices, −1 padded;
     rows=(a, b): queries a … b−1 only) with the scores from our kernel (inputs as `accepts` says).
-    `kernel` replaces the score kernel (reference_logits_kernel runs this host code on the CPU);
-    `select` replaces the selection (default: our radix select on the GPU, `torch_select` with
-    `kernel`)."""
+    Row blocks as `row_blocks` plans them (row_block, block_bytes). `kernel` replaces the score
+    kernel (reference_logits_kernel runs this host code on the CPU); `select` replaces the selection
+    (default: our radix select on the GPU, `torch_select` with `kernel`)."""
     from glm5_bridge.kernels import radix_topk
 
     if kernel is None and not accepts(q, k):
@@ -243,9 +275,9 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
     base = a if q.shape[0] == b - a else 0  # q / weights: all T rows, or just a … b−1 (topk.query_base)
     out = torch.empty((b - a, topk), dtype=torch.int64, device=k.device)  # every select writes all its slots
     q, k, weights = q.contiguous(), k.contiguous(), weights.float().contiguous()
-    for r0, w0 in zip(range(a, b, row_block), window_starts(starts, a, b, row_block)):
-        r1 = min(r0 + row_block, b)
+    for r0, r1, w0 in row_blocks(starts, a, b, row_block, block_bytes):
         scores = block_scores(q, k, weights, starts, r0, r1, kernel, w0, base)
         # A window of at most topk keys is taken whole; torch.topk does that cheaply.
         (select if scores.shape[1] >= topk else torch_select)(scores, topk, out[r0 - a:r1 - a], w0)
+        del scores  # freed before the next block's allocation: one score block alive at a time
     return out
