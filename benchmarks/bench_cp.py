@@ -34,7 +34,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 if "glm5_bridge" not in sys.modules:  # glm5_bridge's attention and kernels without the model stack
@@ -135,15 +134,13 @@ def main(argv=None):
     ap.add_argument("--link-gbs", type=float, default=350.0, help="for wire_ms_estimate (NVLink-class, per direction)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_cp.json"))
     a = ap.parse_args(argv)
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_tp import each_fake_rank, precompile
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     d = GPU if device == "cuda" else CPU
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     if device == "cuda":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_tp import precompile
-
         precompile([d["heads"]])
     rows_out = []
 
@@ -160,15 +157,13 @@ def main(argv=None):
         reference = None
         for parts in sizes:
             worst = None
-            for rank in range(parts):
-                dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
+            for _, rank, group in each_fake_rank([parts]):  # a break closes it: the group is destroyed
                 try:
-                    row, outputs = one_rank(x, s, parts, rank, a.reps, device, dist.group.WORLD, i == 0, d)
+                    row, outputs = one_rank(x, s, parts, rank, a.reps, device, group, i == 0, d)
                 except torch.OutOfMemoryError as e:
                     emit(dict(S=s, cp=parts, rank=rank, fits=False, error=str(e).split("\n")[0][:200]))
                     break
                 finally:
-                    dist.destroy_process_group()
                     if device == "cuda":
                         torch.cuda.empty_cache()
                 if parts == 1 and i == 0:

@@ -66,6 +66,11 @@ def emit(kind, **row):
             json.dump(ROWS, f, indent=1)
 
 
+def pick(kind, **match):
+    """The first row of this run of `kind` whose fields equal `match` (None if none)."""
+    return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
+
+
 def median_ms(fn, reps, warmup=2):
     """(median, max − min) in ms."""
     t = times_ms(fn, reps, warmup)
@@ -465,14 +470,15 @@ def fp32_agreement(iq, ik, w, picked, rows=2048, tie_rel=1e-6, topk=TOPK):
     with the same set, and the rows that differ by more than an exact tie — a key only one side
     picked whose fp32 reference score differs from the other side's swapped key's by more than
     tie_rel of the row's largest |score| (a pure tie differs by 0; summation order, ~1e-7)."""
+    from glm5_bridge.kernels.reference import index_scores
+
     s, dev = ik.shape[0], ik.device
     keys = torch.arange(s, device=dev)
     same = beyond_ties = 0
     worst = 0.0
     for r0 in range(0, s, rows):
         r1 = min(r0 + rows, s)
-        sc = torch.einsum("rhd,sd->rhs", iq[r0:r1].float(), ik.float()).relu_()
-        sc = torch.einsum("rhs,rh->rs", sc, w[r0:r1]).masked_fill(keys[None] > keys[r0:r1, None], float("-inf"))
+        sc = index_scores(iq[r0:r1], ik, w[r0:r1]).masked_fill(keys[None] > keys[r0:r1, None], float("-inf"))
         ref = sc.topk(topk, dim=-1).indices
         ref = ref.masked_fill(sc.gather(1, ref) == float("-inf"), -1).sort(1).values
         ours = picked[r0:r1].sort(1).values
@@ -562,9 +568,6 @@ def headline():
     (scores + top-k, 32 heads whatever H) + our sparse-MLA fwd + bwd (raw kernels on used-first
     slots, the bwd with its delta kernel) against dense SDPA fwd + bwd at the same H: `below_dense`
     against SDPA's own choice, and the total of every pinned backend that ran."""
-    def pick(kind, **match):
-        return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
-
     for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours"]:
         s, h = sparse["S"], sparse["H"]
         index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s, H=h, backend="auto")
@@ -585,28 +588,17 @@ def bench_tp_ranks(seqs, tps, reps, device="cuda"):
     bwd on the "tilelang" backend, heads split (megatron's layout: 64/P heads over all tokens) and
     tokens split (attention/token_parallel: 64 heads over the rank's row_bounds range). One
     `tp_attention` row per (S, P, rank, layout)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     import bench_tp
 
-    for parts in tps:
-        for rank in range(parts):
-            dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
-            try:
-                for s in seqs:
-                    for row in bench_tp.bench_attention(s, device, dist.group.WORLD, reps, baseline=True):
-                        emit("tp_attention", tp=parts, rank=rank, **{k: v for k, v in row.items() if k != "part"})
-            finally:
-                dist.destroy_process_group()
+    for parts, rank, group in bench_tp.each_fake_rank(tps):
+        for s in seqs:
+            for row in bench_tp.bench_attention(s, device, group, reps, baseline=True):
+                emit("tp_attention", tp=parts, rank=rank, **{k: v for k, v in row.items() if k != "part"})
 
 
 def targets():
     """One `target` row per target of issue 39 that this run's rows can answer, each with the
     figures it compares, the bar and met true/false (rows it needs but did not run: skipped)."""
-    def pick(kind, **match):
-        return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
-
     def emit_target(name, value, bar, met, **figures):
         emit("target", target=name, value=value, bar=bar, met=bool(met), **figures)
 

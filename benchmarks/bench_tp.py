@@ -173,28 +173,39 @@ def precompile(head_counts):
             print(f"precompile failed: {job}\n{proc.stderr.read().decode()[-2000:]}", flush=True)
 
 
+def each_fake_rank(ranks_list):
+    """(P, r, group) for every rank r of each P in `ranks_list`, in turn, with torch's "fake" process
+    group of rank r of P initialised for the body of the loop (its collectives copy locally, nothing
+    crosses a wire) and destroyed after it, also when the loop is left early. bench_dsa.py's and
+    bench_cp.py's one-GPU emulations use it too."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    for parts in ranks_list:
+        for rank in range(parts):
+            dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
+            try:
+                yield parts, rank, dist.group.WORLD
+            finally:
+                dist.destroy_process_group()
+
+
 def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
     """--emulate: every rank r of each P in turn on this GPU, over the fake process group. The rows
     so far are saved after every rank (a run cut short by a time limit keeps them)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     if device == "cuda":
         precompile([64] + [64 // parts for parts in ranks_list])
     rows = []
-    for parts in ranks_list:
-        for rank in range(parts):
-            dist.init_process_group("fake", rank=rank, world_size=parts, store=FakeStore())
-            for s in seqs:
-                for part in parts_list:
-                    for row in PARTS[part](s, device, dist.group.WORLD, reps, baseline=rank == 0):
-                        row = dict(kind="bench_tp_emulated", tp=parts, rank=rank, device=name, **row)
-                        rows.append(row)
-                        print("RESULT " + json.dumps(row), flush=True)
-            dist.destroy_process_group()
-            with open(out_path, "w") as f:
-                json.dump(rows, f, indent=1)
+    for parts, rank, group in each_fake_rank(ranks_list):
+        for s in seqs:
+            for part in parts_list:
+                for row in PARTS[part](s, device, group, reps, baseline=rank == 0):
+                    row = dict(kind="bench_tp_emulated", tp=parts, rank=rank, device=name, **row)
+                    rows.append(row)
+                    print("RESULT " + json.dumps(row), flush=True)
+        with open(out_path, "w") as f:
+            json.dump(rows, f, indent=1)
     rows += per_rank_summary(rows, link_gbs)
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)

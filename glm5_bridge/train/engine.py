@@ -50,6 +50,12 @@ def sequence_multiple(recipe) -> int:
     return 2 * m.context_parallel_size * m.tensor_model_parallel_size if m.context_parallel_size > 1 else 1
 
 
+def token_multiple(recipe) -> int:
+    """What a micro-batch's token count is padded to a multiple of: TP (sequence parallel splits
+    the tokens), or sequence_multiple where that is larger (context parallel)."""
+    return max(recipe.model.tensor_model_parallel_size, sequence_multiple(recipe))
+
+
 def is_last_stage() -> bool:
     from megatron.core import parallel_state
 
@@ -123,7 +129,7 @@ class Engine:
             if len(set(stages[1:-1])) > 1:
                 raise ValueError(f"model.pipeline_stage_layers {stages}: megatron splits the middle stages evenly; "
                                  "give equal sizes between the first and the last")
-        unit = max(m.tensor_model_parallel_size, sequence_multiple(recipe))
+        unit = token_multiple(recipe)
         if m.pipeline_model_parallel_size > 1 and recipe.data.max_tokens % unit:
             what = "2 × CP × TP" if m.context_parallel_size > 1 else "TP"
             raise ValueError(f"data.max_tokens {recipe.data.max_tokens} must be a multiple of {what} = {unit} "
@@ -180,7 +186,7 @@ class Engine:
         from glm5_bridge.train.data import pad_each_sequence, padded
 
         m = self.recipe.model
-        unit = max(m.tensor_model_parallel_size, sequence_multiple(self.recipe))
+        unit = token_multiple(self.recipe)
         if m.context_parallel_size > 1:
             batch = pad_each_sequence(batch, unit)
         if self._fixed_shapes():

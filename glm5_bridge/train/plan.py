@@ -108,9 +108,12 @@ def memory_per_gpu(c, plan: Plan) -> dict[str, float]:
     layer_ws = (full_tokens * heads_local * (576 + 512 + c.qk_nope_head_dim + c.v_head_dim) * 2  # q, out, up-proj
                 + full_tokens * c.index_topk * 8  # top-k indices (int64)
                 + full_tokens * c.num_experts_per_tok * c.hidden_size * 2 * 2 / plan.tp)  # MoE dispatch in/out
-    # the indexer's fp32 score block: a row block of this rank's queries against their whole window
-    # (kernels/indexer.py, ROW_BLOCK = 4096 rows a block), the largest transient at long sequences
-    layer_ws += min(4096, full_tokens) * plan.seq_len * 4
+    # the indexer's fp32 score block: a row block of this rank's queries against their whole window,
+    # at most ROW_BLOCK rows (kernels/indexer.py); an upper bound since its BLOCK_BYTES budget keeps
+    # blocks at long windows smaller
+    from glm5_bridge.kernels.indexer import ROW_BLOCK
+
+    layer_ws += min(ROW_BLOCK, full_tokens) * plan.seq_len * 4
     if plan.cp > 1:  # one layer's gathered sequence: latent kv rows and indexer keys, in bf16
         layer_ws += plan.seq_len * (c.kv_lora_rank + (c.qk_head_dim - c.qk_nope_head_dim) + c.index_head_dim) * 2
     lora_per_layer = lora_params(c, plan.lora_dim) / c.num_hidden_layers / plan.tp
