@@ -3,6 +3,7 @@ gloo ranks, each holding its heads of q, the full kv and top-k, the output (each
 and dkv (summed over ranks, as megatron's TP reduction of kv's gradient does) equal the unfused
 attention run whole in one process."""
 
+import pytest
 import torch
 
 from glm5_bridge.model.attention.topk import flat_starts, select_topk
@@ -56,3 +57,16 @@ def test_token_split_attention_equals_the_whole_attention():
             assert torch.allclose(o, out.detach()[:, mine], atol=1e-12), (world, total, rank)
             assert torch.allclose(dq, q.grad[:, mine], atol=1e-12), (world, total, rank)
             assert torch.allclose(dkv, kv.grad, atol=1e-12), (world, total, rank)
+
+
+def test_token_parallel_default_and_refusal():
+    """dsa_token_parallel unset (None) splits by tokens exactly where it was measured faster: the
+    fused backend at TP > 1 without context parallelism; True / False are kept, and True under
+    CP is refused in one line."""
+    from glm5_bridge.model.attention.token_parallel import enabled
+
+    assert [enabled(None, "tilelang", tp, 1) for tp in (1, 2, 8)] == [False, True, True]
+    assert not enabled(None, "megatron", 2, 1) and not enabled(None, "tilelang", 2, 2)
+    assert enabled(True, "megatron", 2, 1) and not enabled(False, "tilelang", 8, 1) and not enabled(True, "tilelang", 1, 4)
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        enabled(True, "tilelang", 2, 2)

@@ -126,20 +126,25 @@ def test_tensor_parallel_ranks_split_the_indexer_rows():
 def test_row_bounds_balance_the_cost():
     """row_bounds against the cost summed query by query: P contiguous ranges covering the rows
     in order, each within one query's cost of 1/P of the total (a query at position p costs p + 1,
-    or min(p + 1, cap)), for one long sequence, packed ones, and fewer rows than ranks."""
+    or min(p + 1, cap), plus query_cost), for one long sequence, packed ones, and fewer rows than ranks."""
     from glm5_bridge.model.attention.topk import row_bounds
 
     for lengths in [(8192,), (1000, 3000, 5, 4187), (2,), (7, 0, 9)]:
         for parts in (2, 3, 8):
-            for cap in (None, 2048, 4):
-                cost = [min(p + 1, cap or p + 1) for n in lengths for p in range(n)]
-                bounds = row_bounds(lengths, parts, cap)
+            for cap, query_cost in ((None, 0), (2048, 0), (4, 0), (2048, 290), (4, 3)):
+                cost = [min(p + 1, cap or p + 1) + query_cost for n in lengths for p in range(n)]
+                bounds = row_bounds(lengths, parts, cap, query_cost)
                 assert bounds[0] == 0 and bounds[-1] == len(cost) and list(bounds) == sorted(bounds)
                 share = sum(cost) / parts
                 for a, b in zip(bounds, bounds[1:]):
                     assert abs(sum(cost[a:b]) - share) <= max(cost), (lengths, parts, cap, bounds)
     # one 8K sequence, top-k 2048, TP 2: the capped cost moves the boundary past the middle
     assert row_bounds((8192,), 2, 2048) == (0, 4608, 8192)
+    # TP 8 with the fixed cost per query: rank 0 (the short early queries) gets fewer rows than the
+    # 1916 it got without, ranks 2–7 more than 896 (ranks 1–7 of 8: 900, 896, …; with: 926, 912, …)
+    without, with_cost = row_bounds((8192,), 8, 2048), row_bounds((8192,), 8, 2048, 290)
+    assert without[1] == 1916 and {b - a for a, b in zip(without[2:], without[3:])} == {896}
+    assert 1780 <= with_cost[1] <= 1810 and all(905 <= b - a <= 930 for a, b in zip(with_cost[1:], with_cost[2:]))
 
 
 def test_a_row_range_takes_just_its_own_query_rows():

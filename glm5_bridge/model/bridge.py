@@ -47,8 +47,9 @@ class GLM5ModelProvider(MLAModelProvider):
     transformer_layer_spec: object = glm5_block_spec
     # "megatron": unfused torch (default, runs on CPU); "tilelang": fused kernels (GPU, thd only).
     dsa_attention_backend: str = "megatron"
-    # TP > 1: the sparse attention split by query tokens instead of heads (attention/token_parallel.py)
-    dsa_token_parallel: bool = False
+    # TP > 1: the sparse attention split by query tokens instead of heads (attention/token_parallel.py);
+    # None: on with the "tilelang" backend without context parallelism (token_parallel.enabled)
+    dsa_token_parallel: bool | None = None
     # Per decoder layer "full" / "shared" (IndexShare); None = every layer computes its top-k.
     dsa_indexer_types: list | None = None
     mla_latent_norm_eps: float = 1e-6

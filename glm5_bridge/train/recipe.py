@@ -23,7 +23,8 @@ class ModelConfig:
     checkpoint: str = "runs/demo/hf"  # HF checkpoint folder
     dsa_attention_backend: str = "megatron"  # "megatron" (unfused, any device) | "tilelang" (GPU, thd)
     tensor_model_parallel_size: int = 1
-    dsa_token_parallel: bool = False  # TP > 1: sparse attention split by tokens, not heads
+    # TP > 1: sparse attention split by tokens, not heads; null: on with "tilelang" without CP
+    dsa_token_parallel: bool | None = None
     pipeline_model_parallel_size: int = 1
     # Decoder layers per pipeline stage (first, …, last; the middle stages equal), e.g. [14, 16, 16,
     # 16, 16]; empty = megatron's even split. A stage may not start on an IndexShare "shared" layer.

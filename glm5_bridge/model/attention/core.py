@@ -48,10 +48,9 @@ class SparseMLACoreAttention(MegatronModule):
         self.backend = get_backend(config.dsa_attention_backend)
         self.select_topk = topk_selector(config.dsa_attention_backend)
         self.pg_collection = pg_collection
-        self.token_parallel = getattr(config, "dsa_token_parallel", False) and get_pg_size(pg_collection.tp) > 1
         self.cp = get_pg_size(pg_collection.cp)  # context parallel: attention/context_parallel.py
-        if self.cp > 1 and self.token_parallel:
-            raise NotImplementedError("dsa_token_parallel together with context parallelism is not supported")
+        self.token_parallel = token_parallel.enabled(getattr(config, "dsa_token_parallel", None),
+                                                     config.dsa_attention_backend, get_pg_size(pg_collection.tp), self.cp)
 
         types = config.dsa_indexer_types
         # The MTP layer numbers itself 1, 2, … (megatron's convention) and always owns an indexer.

@@ -1,5 +1,6 @@
-"""DSA sparse attention split by query tokens instead of heads under tensor parallelism (opt-in:
-`dsa_token_parallel=True` on the provider).
+"""DSA sparse attention split by query tokens instead of heads under tensor parallelism
+(`dsa_token_parallel` on the provider: True / False, or None, the default: on with the fused
+backend under TP > 1 without context parallelism, where it was measured faster — `enabled`).
 
 Megatron splits attention heads across the TP ranks. In absorbed MLA with DSA a token's heads share
 one gathered 576-wide key row per selected key and one fp32 dKV row, so with heads split every rank
@@ -15,8 +16,8 @@ all-to-alls' wire time):
 
 Every rank already holds the full kv [T, 576] and the same top-k [T, K] (computed by the duplicated
 kv_a path and the indexer). A rank's rows are one contiguous range (attention/topk.row_bounds,
-equal min(p + 1, K) work per range), so x goes out as it lies and comes back in row order: each
-direction copies once, for the head/row transpose. Gradients: the all-to-alls'
+equal min(p + 1, K) + QUERY_COST_KEYS work per range), so x goes out as it lies and comes back in
+row order: each direction copies once, for the head/row transpose. Gradients: the all-to-alls'
 backward is the reverse all-to-all; each rank's dkv is a partial sum (its rows, all heads) where
 with heads split it was another one (all rows, its heads); either way the ranks' partials add up
 to dkv, which megatron's existing TP reduction of kv's gradient does.
@@ -28,6 +29,30 @@ import torch
 import torch.distributed as dist
 
 from glm5_bridge.model.attention.topk import row_bounds
+
+# A query's fixed cost in the fused kernels (its q / dO / out / dq rows, its CTA's start and end),
+# in selected keys' worth. benchmarks/LOG.md run AZ and the 2026-12-07 targets run (H100, 8K × 64
+# heads, TP 8, every rank on one GPU): rank 0's 1916 rows took 0.44–0.47 ms longer than the 896 of the others for the same key count,
+# ≈ 0.45 µs a query against ≈ 1.55 ns a key. Left out, rank 0 of TP 8 (the short early queries)
+# was the slowest rank by 13 %.
+QUERY_COST_KEYS = 290
+
+
+def enabled(setting: bool | None, backend: str, tp: int, cp: int) -> bool:
+    """Whether a layer splits its sparse attention by tokens: `setting` (the provider's
+    dsa_token_parallel) when given, else (None) where it is measured faster — the fused "tilelang"
+    backend at TP > 1 (per rank at 8K × 64 heads, every rank on one H100, TP 2 / 4 / 8: 11.6 / 5.8 /
+    3.2 ms against 15.6 / 10.5 / 6.7 split by heads; the all-to-alls, ~0.6–1.6 ms at 350 GB/s, are
+    estimated, not timed; benchmarks/LOG.md) and not under context parallelism, which it does not
+    support. The unfused backend's work per rank is the same either way, so it keeps heads split."""
+    if tp <= 1:
+        return False
+    if setting is None:
+        return backend == "tilelang" and cp == 1
+    if setting and cp > 1:
+        raise NotImplementedError("dsa_token_parallel together with context parallelism is not supported; "
+                                  "leave dsa_token_parallel unset (None) or False")
+    return bool(setting)
 
 
 def _transpose01(x: torch.Tensor) -> torch.Tensor:
@@ -79,12 +104,14 @@ def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths
     heads; q [T, H/P, D], kv [T, D], topk [T, K], lengths: the sequences' (summing to T) →
     [T, H/P, v_dim], as the backend over q would."""
     rank = group.rank()
-    bounds = row_bounds(tuple(lengths), group.size(), cap=topk.shape[1])
+    bounds = row_bounds(tuple(lengths), group.size(), cap=topk.shape[1], query_cost=QUERY_COST_KEYS)
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     q_rows = _Exchange.apply(q, True, sizes, rank, group)
     rows_topk = topk[bounds[rank]:bounds[rank + 1]]
     if not sizes[rank]:  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
         q_rows = torch.cat([q_rows, q_rows.new_zeros(1, *q_rows.shape[1:])])
         rows_topk = topk.new_full((1, topk.shape[1]), -1)
-    out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)[:sizes[rank]]
+    out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)
+    if not sizes[rank]:  # sliced only then: a slice's backward zero-fills and copies the whole gradient
+        out_rows = out_rows[:0]
     return _Exchange.apply(out_rows, False, sizes, rank, group)

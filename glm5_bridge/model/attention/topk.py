@@ -80,18 +80,19 @@ def select_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, starts:
 
 
 @functools.lru_cache(maxsize=64)  # every DSA layer of a micro-batch asks for the same split
-def row_bounds(lengths: tuple[int, ...], parts: int, cap: int | None = None) -> tuple[int, ...]:
+def row_bounds(lengths: tuple[int, ...], parts: int, cap: int | None = None, query_cost: int = 0) -> tuple[int, ...]:
     """How P tensor-parallel ranks share the T query rows of sequences of `lengths` laid end to end
     in token-parallel attention: P contiguous ranges, rank r taking rows [bounds[r], bounds[r + 1]),
     of about equal cost — a query at position p of its sequence costs min(p + 1, cap) (sparse
-    attention over at most cap selected keys; cap None: p + 1). Boundary i is the first row count
-    whose rows cost at least i/P of the total, so a range is off by at most one query's cost
-    (ranges may be empty when T < P)."""
+    attention over at most cap selected keys; cap None: p + 1) plus `query_cost`, its fixed cost
+    in keys' worth (token_parallel.QUERY_COST_KEYS). Boundary i is the first row count whose rows
+    cost at least i/P of the total, so a range is off by at most one query's cost (ranges may be
+    empty when T < P)."""
     total = sum(lengths)
     if total == 0:
         return (0,) * (parts + 1)
     position = torch.arange(total) - flat_starts(lengths, "cpu")
-    cost = position + 1 if cap is None else (position + 1).clamp(max=cap)
+    cost = (position + 1 if cap is None else (position + 1).clamp(max=cap)) + query_cost
     cum = torch.cumsum(cost, 0).double()
     targets = torch.arange(1, parts, dtype=torch.float64) * (cum[-1] / parts)
     inner = torch.searchsorted(cum, targets) + 1  # rows [0, first t with cum[t] ≥ target]
