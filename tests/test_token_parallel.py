@@ -30,33 +30,41 @@ def _backend(q, kv, topk, scale, v_dim, *, packed):
     return sparse_mla(q, kv, topk, scale, v_dim)
 
 
-def _rank(rank, world, total, heads):
+def _rank(rank, world, cases):
+    """This rank's (out, dq, dkv) for each (total, heads) of `cases`, in one process launch."""
     from glm5_bridge.model.attention.token_parallel import attend
 
-    q, kv, topk, dout = _inputs(total, heads)
-    local = heads // world
-    mine = slice(rank * local, (rank + 1) * local)
-    q_mine, kv_mine = q[:, mine].clone().requires_grad_(), kv.clone().requires_grad_()
-    out = attend(_backend, q_mine, kv_mine, topk, 0.3, 16, packed=True, group=torch.distributed.group.WORLD,
-                 lengths=_lengths(total))
-    out.backward(dout[:, mine])
-    dkv = kv_mine.grad.clone()
-    torch.distributed.all_reduce(dkv)  # the TP reduction of kv's gradient
-    return out.detach(), q_mine.grad, dkv
+    results = []
+    for total, heads in cases:
+        q, kv, topk, dout = _inputs(total, heads)
+        local = heads // world
+        mine = slice(rank * local, (rank + 1) * local)
+        q_mine, kv_mine = q[:, mine].clone().requires_grad_(), kv.clone().requires_grad_()
+        out = attend(_backend, q_mine, kv_mine, topk, 0.3, 16, packed=True, group=torch.distributed.group.WORLD,
+                     lengths=_lengths(total))
+        out.backward(dout[:, mine])
+        dkv = kv_mine.grad.clone()
+        torch.distributed.all_reduce(dkv)  # the TP reduction of kv's gradient
+        results.append((out.detach(), q_mine.grad, dkv))
+    return results
 
 
 def test_token_split_attention_equals_the_whole_attention():
-    for world, total, heads in [(2, 45, 4), (3, 40, 6), (2, 3, 2), (3, 2, 3)]:  # (3, 2): a rank without rows
-        q, kv, topk, dout = _inputs(total, heads)
-        q, kv = q.requires_grad_(), kv.requires_grad_()
-        out = sparse_mla(q, kv, topk, 0.3, 16)
-        out.backward(dout)
-        local = heads // world
-        for rank, (o, dq, dkv) in enumerate(run_local_ranks(_rank, world, total, heads)):
-            mine = slice(rank * local, (rank + 1) * local)
-            assert torch.allclose(o, out.detach()[:, mine], atol=1e-12), (world, total, rank)
-            assert torch.allclose(dq, q.grad[:, mine], atol=1e-12), (world, total, rank)
-            assert torch.allclose(dkv, kv.grad, atol=1e-12), (world, total, rank)
+    # (world, [(total, heads), …]); world 3 with 2 rows: a rank without rows
+    for world, cases in [(2, [(45, 4), (3, 2)]), (3, [(40, 6), (2, 3)])]:
+        per_rank = run_local_ranks(_rank, world, cases)
+        for i, (total, heads) in enumerate(cases):
+            q, kv, topk, dout = _inputs(total, heads)
+            q, kv = q.requires_grad_(), kv.requires_grad_()
+            out = sparse_mla(q, kv, topk, 0.3, 16)
+            out.backward(dout)
+            local = heads // world
+            for rank, results in enumerate(per_rank):
+                o, dq, dkv = results[i]
+                mine = slice(rank * local, (rank + 1) * local)
+                assert torch.allclose(o, out.detach()[:, mine], atol=1e-12), (world, total, rank)
+                assert torch.allclose(dq, q.grad[:, mine], atol=1e-12), (world, total, rank)
+                assert torch.allclose(dkv, kv.grad, atol=1e-12), (world, total, rank)
 
 
 def test_token_parallel_default_and_refusal():

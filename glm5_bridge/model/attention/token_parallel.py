@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from glm5_bridge.model.attention.topk import row_bounds
 
-# A query's fixed cost in the fused kernels (its q / dO / out / dq rows, its CTA's start and end),
-# in selected keys' worth. benchmarks/LOG.md run AZ and the 2026-12-07 targets run (H100, 8K × 64
-# heads, TP 8, every rank on one GPU): rank 0's 1916 rows took 0.44–0.47 ms longer than the 896 of the others for the same key count,
-# ≈ 0.45 µs a query against ≈ 1.55 ns a key. Left out, rank 0 of TP 8 (the short early queries)
-# was the slowest rank by 13 %.
+# A query's fixed cost in the fused kernels (its q / dO / out / dq rows, its CTA's start and end,
+# the exchanges' copies), in selected keys' worth. benchmarks/LOG.md run AZ and the 2026-12-07
+# targets run (H100, 8K × 64 heads, TP 8, every rank on one GPU): rank 0's 1916 rows took
+# 0.44–0.47 ms longer than the others' 896 of the same key count, ≈ 0.45 µs a query against
+# ≈ 1.55 ns a key. Left out, rank 0 of TP 8 (the short early queries) was the slowest rank by 13 %
+# (run BR: 3.68 → 3.18 ms with it).
 QUERY_COST_KEYS = 290
 
 
