@@ -29,7 +29,6 @@ Timings: median of CUDA-event times after warm-up; spread = max − min.
 import argparse
 import functools
 import json
-import math
 import os
 import statistics
 import sys
@@ -66,9 +65,14 @@ def emit(kind, **row):
             json.dump(ROWS, f, indent=1)
 
 
+def rows_of(kind, **match):
+    """This run's rows of `kind` whose fields equal `match`, in order."""
+    return [r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())]
+
+
 def pick(kind, **match):
-    """The first row of this run of `kind` whose fields equal `match` (None if none)."""
-    return next((r for r in ROWS if r["kind"] == kind and all(r.get(k) == v for k, v in match.items())), None)
+    """The first of rows_of(kind, **match) (None if none)."""
+    return next(iter(rows_of(kind, **match)), None)
 
 
 def median_ms(fn, reps, warmup=2):
@@ -568,7 +572,7 @@ def headline():
     (scores + top-k, 32 heads whatever H) + our sparse-MLA fwd + bwd (raw kernels on used-first
     slots, the bwd with its delta kernel) against dense SDPA fwd + bwd at the same H: `below_dense`
     against SDPA's own choice, and the total of every pinned backend that ran."""
-    for sparse in [r for r in ROWS if r["kind"] == "sparse_mla" and r["impl"] == "ours"]:
+    for sparse in rows_of("sparse_mla", impl="ours"):
         s, h = sparse["S"], sparse["H"]
         index, dense = pick("indexer", impl="ours", S=s), pick("dense_sdpa", S=s, H=h, backend="auto")
         if index is None or dense is None or "bwd_ms" not in sparse:
@@ -616,14 +620,14 @@ def targets():
                     all_slots_tflops=ours64["bwd_tflops"], bwd_ms=ours64["bwd_ms"])
     # 3. per-rank efficiency at TP P: (one GPU's 64-head fwd + bwd) / (P × slowest rank's), through the
     # same backend path (bench_tp's rank 0 of P = 1 is not run: the 64-head raw kernels stand in)
-    for s, parts in sorted({(r["S"], r["tp"]) for r in ROWS if r["kind"] == "tp_attention"}):
+    for s, parts in sorted({(r["S"], r["tp"]) for r in rows_of("tp_attention")}):
         full = pick("sparse_mla", impl="iface[ours]", S=s, H=64)
         if not full or "bwd_ms" not in full:
             continue
         one_gpu = full["fwd_ms"] + full["bwd_ms"]
         layouts = {}
         for impl in ("heads_split", "tokens_split"):
-            got = [r["fwd_bwd_ms"] for r in ROWS if r["kind"] == "tp_attention" and (r["S"], r["tp"], r["impl"]) == (s, parts, impl)]
+            got = [r["fwd_bwd_ms"] for r in rows_of("tp_attention", S=s, tp=parts, impl=impl)]
             if len(got) == parts:
                 layouts[impl] = dict(slowest_rank_ms=max(got), efficiency=round(one_gpu / (parts * max(got)), 3))
         if layouts:

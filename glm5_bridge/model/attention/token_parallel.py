@@ -109,10 +109,11 @@ def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
     q_rows = _Exchange.apply(q, True, sizes, rank, group)
     rows_topk = topk[bounds[rank]:bounds[rank + 1]]
-    if not sizes[rank]:  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
+    empty = not sizes[rank]  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
+    if empty:
         q_rows = torch.cat([q_rows, q_rows.new_zeros(1, *q_rows.shape[1:])])
         rows_topk = topk.new_full((1, topk.shape[1]), -1)
     out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)
-    if not sizes[rank]:  # sliced only then: a slice's backward zero-fills and copies the whole gradient
+    if empty:  # sliced only then: a slice's backward zero-fills and copies the whole gradient
         out_rows = out_rows[:0]
     return _Exchange.apply(out_rows, False, sizes, rank, group)
