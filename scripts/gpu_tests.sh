@@ -5,14 +5,17 @@
 #   run 1, carry [".whl-a"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-a/*.whl
 #   run 2, carry [".whl-b"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-b/*.whl \
 #                             && PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_tests.sh
-# Arguments go to pytest. The whole suite (~78 s of builds, ~4 min of kernel tests, the reduced
-# real-width run 7+ min) does not fit one 10-minute device call: run it as two on one warm machine,
-#   bash scripts/gpu_tests.sh -k "not real_width"   then   bash scripts/gpu_tests.sh -k real_width
-# (the second finds the kernels in TileLang's disk cache).
+# Arguments go to pytest (a first argument --no-bench skips step 3, the backend timings). The whole
+# suite (~78 s of builds, ~4 min of kernel tests, the reduced real-width run 7+ min) does not fit one
+# 10-minute device call: run it as two on one warm machine,
+#   bash scripts/gpu_tests.sh -k "not real_width"   then   bash scripts/gpu_tests.sh --no-bench -k real_width
+# (the second finds the kernels in TileLang's disk cache and leaves the timings to the first).
 # Logs go to $OUT (default /tmp/gpu_tests): gpu.txt, compile.log, pytest.log, bench.log, results.jsonl.
 # Exit status: pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bench=1
+if [ "${1:-}" = "--no-bench" ]; then bench=0; shift; fi
 out=${OUT:-/tmp/gpu_tests}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 GLM5_GPU_RESULTS="$out/results.jsonl"
@@ -77,7 +80,7 @@ echo "compile: $(( $(date +%s) - start )) s" | tee -a "$out/compile.log"
 # 2. The tests (tests/gpu), then 3. the timings.
 python3 -m pytest tests/gpu -m gpu -rA -s -p no:cacheprovider "$@" 2>&1 | tee "$out/pytest.log"
 rc=${PIPESTATUS[0]}
-python3 tests/gpu/bench_sparse_mla.py 2>&1 | tee "$out/bench.log"
+if [ "$bench" = 1 ]; then python3 tests/gpu/bench_sparse_mla.py 2>&1 | tee "$out/bench.log"; fi
 
 echo
 echo "== summary =="
