@@ -590,14 +590,16 @@ def bench_tp_ranks(seqs, tps, reps, device="cuda"):
     """What one tensor-parallel rank runs (the issue's target 3), every rank of each P played in turn
     on this GPU (bench_tp.py's --emulate: torch's fake process group, no wire): our sparse MLA fwd +
     bwd on the "tilelang" backend, heads split (megatron's layout: 64/P heads over all tokens) and
-    tokens split (attention/token_parallel: 64 heads over the rank's row_bounds range). One
-    `tp_attention` row per (S, P, rank, layout)."""
+    tokens split (attention/token_parallel: 64 heads over the rank's row_bounds range; the kernels
+    on ops' transposed copies of the head-blocked rows, and in place: "tokens_split_in_place"). One
+    `tp_attention` row per (S, P, rank, layout), one `tp_check` per (S, P, rank)."""
     import bench_tp
 
     for parts, rank, group in bench_tp.each_fake_rank(tps):
         for s in seqs:
             for row in bench_tp.bench_attention(s, device, group, reps, baseline=True):
-                emit("tp_attention", tp=parts, rank=rank, **{k: v for k, v in row.items() if k != "part"})
+                kind = "tp_attention" if row["part"] == "attention" else "tp_check"
+                emit(kind, tp=parts, rank=rank, **{k: v for k, v in row.items() if k != "part"})
 
 
 def targets():
@@ -626,7 +628,7 @@ def targets():
             continue
         one_gpu = full["fwd_ms"] + full["bwd_ms"]
         layouts = {}
-        for impl in ("heads_split", "tokens_split"):
+        for impl in ("heads_split", "tokens_split", "tokens_split_in_place"):
             got = [r["fwd_bwd_ms"] for r in rows_of("tp_attention", S=s, tp=parts, impl=impl)]
             if len(got) == parts:
                 layouts[impl] = dict(slowest_rank_ms=max(got), efficiency=round(one_gpu / (parts * max(got)), 3))

@@ -7,7 +7,10 @@
   attention  sparse MLA fwd + bwd at GLM-5 dims (64 heads in all, q/kv 576, v 512, random causal
              top-k 2048) on the "tilelang" backend: "heads_split" (megatron's layout: each rank its
              64/P heads over all T tokens) against "tokens_split" (attention/token_parallel.attend:
-             all heads of one row_bounds range of the tokens, two all-to-alls each way).
+             all heads of one row_bounds range of the tokens, two all-to-alls each way; the
+             kernels get the received head-blocked rows through kernels/ops' transposed copies,
+             the default) and, on a GPU, "tokens_split_in_place" (the same with our kernels reading
+             and writing the head-blocked rows in place, ops.ours_take_head_blocks).
   dense      (with --emulate) the rank's dense bar: causal SDPA at 64/P heads, head dim 256.
 
     torchrun --nproc-per-node 8 benchmarks/bench_tp.py [--parts indexer,attention] [--seqs 8192,16384] [--out f.json]
@@ -26,10 +29,13 @@ wire), so each rank's kernels and copies run exactly as on P GPUs while the coll
 nothing. Rows then carry the rank's time; `wire_bytes` is what the rank's collectives would move
 (received bytes), and the "per_rank" rows add it at --link-gbs as an estimate, marked as such,
 against the slowest rank's compute and the rank's dense bar. The baselines (replicated indexer,
-heads split) do the same work on every rank, so they run as rank 0 only.
+heads split) do the same work on every rank, so they run as rank 0 only. --query-costs C,...
+repeats the tokens-split attention at each token_parallel.QUERY_COST_KEYS (the rows' split
+between ranks; rows carry query_cost), to pick the cost that makes the slowest rank fastest.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,7 +56,6 @@ from timing import dense_attention, times_ms  # noqa: E402  (benchmarks/timing.p
 
 from glm5_bridge.model.attention import backends, token_parallel  # noqa: E402
 from glm5_bridge.model.attention.topk import row_bounds, select_topk_split  # noqa: E402
-from glm5_bridge.kernels import indexer  # noqa: E402
 from glm5_bridge.kernels.reference import random_causal_topk  # noqa: E402
 
 TOPK, SCALE = 2048, 1 / 16
@@ -71,7 +76,7 @@ def wire_bytes(part, s, parts, rank, heads=64):
     gradients)."""
     if part == "indexer":
         return (parts - 1) * 2 * -(-s // (2 * parts)) * TOPK * 4
-    bounds = row_bounds((s,), parts, TOPK)
+    bounds = row_bounds((s,), parts, TOPK, query_cost=token_parallel.QUERY_COST_KEYS)
     mine = bounds[rank + 1] - bounds[rank]
     one_way = (parts - 1) * mine * 576 + (s - mine) * 512  # bf16 elements × heads per rank, fwd
     fwd = one_way * (heads // parts) * 2
@@ -87,8 +92,9 @@ def bench_indexer(s, device, group, reps, baseline=True):
     k = torch.randn(s, dim, device=device, generator=gen).to(dtype)
     w = torch.randn(s, heads, device=device, generator=gen) * (heads ** -0.5 * dim ** -0.5)
     starts = torch.zeros(s, dtype=torch.int64, device=device)
-    variants = {"replicated": lambda: indexer.select_topk(q, k, w, starts, TOPK),
-                "split": lambda: select_topk_split(indexer.select_topk, q, k, w, starts, TOPK, group)}
+    select = backends.fused_select_topk  # our kernel on bf16 CUDA inputs, else (the CPU smoke run) torch's
+    variants = {"replicated": lambda: select(q, k, w, starts, TOPK),
+                "split": lambda: select_topk_split(select, q, k, w, starts, TOPK, group)}
     exchanged = dist.get_backend(group) != "fake"  # a fake group's collectives copy locally
     same = torch.equal(*(v().sort(1).values for v in variants.values())) if baseline and exchanged else None
     for name, fn in variants.items():
@@ -119,27 +125,49 @@ def bench_attention(s, device, group, reps, baseline=True):
     def tokens_split():
         return token_parallel.attend(backend, q, kv, topk, SCALE, v, packed=True, group=group, lengths=(s,))
 
+    variants = [("heads_split", heads_split, False), ("tokens_split", tokens_split, False)]
+    if device == "cuda":
+        variants.append(("tokens_split_in_place", tokens_split, True))
     outs = {}
-    for name, fn in (("heads_split", heads_split), ("tokens_split", tokens_split)):
+    for name, fn, in_place in variants:
         if name == "heads_split" and not baseline:
             continue
-        outs[name] = fn().detach().float()
+        with kernels_in_place(in_place):
+            outs[name] = fn().detach().float()
 
-        def step(fn=fn):
-            q.grad = kv.grad = None
-            fn().backward(dout)
+            def step(fn=fn):
+                q.grad = kv.grad = None
+                fn().backward(dout)
 
-        fwd_ms, fwd_spread = timed(lambda fn=fn: fn().detach(), reps, device, group)
-        step_ms, step_spread = timed(step, reps, device, group)
-        wire = wire_bytes("attention", s, parts, rank, heads) if name == "tokens_split" else {"fwd": 0, "fwd_bwd": 0}
+            fwd_ms, fwd_spread = timed(lambda fn=fn: fn().detach(), reps, device, group)
+            step_ms, step_spread = timed(step, reps, device, group)
+        wire = wire_bytes("attention", s, parts, rank, heads) if name != "heads_split" else {"fwd": 0, "fwd_bwd": 0}
         yield dict(part="attention", impl=name, S=s, heads=heads, heads_per_rank=heads // parts, fwd_ms=fwd_ms,
                    fwd_spread_ms=fwd_spread, fwd_bwd_ms=step_ms, fwd_bwd_spread_ms=step_spread,
-                   wire_bytes=wire["fwd_bwd"], fwd_wire_bytes=wire["fwd"])
+                   wire_bytes=wire["fwd_bwd"], fwd_wire_bytes=wire["fwd"], query_cost=token_parallel.QUERY_COST_KEYS)
+    if "tokens_split_in_place" in outs:
+        yield dict(part="attention_check", S=s, in_place_vs_copies_rel=round(
+            ((outs["tokens_split_in_place"] - outs["tokens_split"]).norm() / outs["tokens_split"].norm()).item(), 6))
     if len(outs) < 2 or dist.get_backend(group) == "fake":  # a fake group's all-to-alls did not exchange
         return
     diff = (outs["tokens_split"] - outs["heads_split"]).norm() / outs["heads_split"].norm()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
     yield dict(part="attention_check", S=s, tokens_vs_heads_split_rel=round(diff.item(), 6))
+
+
+@contextlib.contextmanager
+def kernels_in_place(on: bool):
+    """Our kernels take head-blocked rows in place (on) or get ops' transposed copies, for the body."""
+    if not on:
+        yield
+        return
+    from glm5_bridge.kernels import ops
+
+    saved, ops.ours_ops().head_blocks = ops.ours_ops().head_blocks, True
+    try:
+        yield
+    finally:
+        ops.ours_ops().head_blocks = saved
 
 
 def bench_dense(s, device, group, reps, baseline=True, heads=64, dim=256):
@@ -155,15 +183,19 @@ def bench_dense(s, device, group, reps, baseline=True, heads=64, dim=256):
 PARTS = {"indexer": bench_indexer, "attention": bench_attention, "dense": bench_dense}
 
 
-def precompile(head_counts):
+def precompile(head_counts, head_blocks=()):
     """Build the kernels the GPU runs use, one process per kernel, in parallel (TileLang's disk cache
-    then serves this process; a kernel takes 10–30 s to build the first time)."""
+    then serves this process; a kernel takes 10–30 s to build the first time); head_blocks: the P of
+    tokens-split attention, whose 64-head kernels read head-blocked rows."""
     import subprocess
 
     stub = (f"import sys, types; p = types.ModuleType('glm5_bridge'); p.__path__ = [{str(ROOT / 'glm5_bridge')!r}]; "
             "sys.modules['glm5_bridge'] = p; ")
     jobs = [f"from glm5_bridge.kernels.ops import compile_kernels; compile_kernels({h}, {TOPK}, {SCALE}, parts=('{part}',))"
             for h in sorted(set(head_counts)) for part in ("fwd", "bwd", "delta", "slots")]
+    jobs += [f"from glm5_bridge.kernels.ops import compile_kernels; "
+             f"compile_kernels(64, {TOPK}, {SCALE}, parts=('{part}',), head_blocks={p})"
+             for p in sorted(set(head_blocks) - {1}) for part in ("fwd", "bwd")]
     jobs += ["from glm5_bridge.kernels import indexer; indexer.get_logits_kernel(32, 128)",
              f"from glm5_bridge.kernels import radix_topk; radix_topk.get_select_kernel({TOPK})"]
     procs = [subprocess.Popen([sys.executable, "-c", stub + job], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -189,14 +221,16 @@ def each_fake_rank(ranks_list):
                 dist.destroy_process_group()
 
 
-def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
+def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path, query_costs=()):
     """--emulate: every rank r of each P in turn on this GPU, over the fake process group. The rows
-    so far are saved after every rank (a run cut short by a time limit keeps them)."""
+    so far are saved after every rank (a run cut short by a time limit keeps them). query_costs:
+    the attention again at each QUERY_COST_KEYS after the default's rows (summarised per cost)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     if device == "cuda":
-        precompile([64] + [64 // parts for parts in ranks_list])
+        precompile([64] + [64 // parts for parts in ranks_list], head_blocks=ranks_list)
     rows = []
+    default_cost = token_parallel.QUERY_COST_KEYS
     for parts, rank, group in each_fake_rank(ranks_list):
         for s in seqs:
             for part in parts_list:
@@ -204,11 +238,35 @@ def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path):
                     row = dict(kind="bench_tp_emulated", tp=parts, rank=rank, device=name, **row)
                     rows.append(row)
                     print("RESULT " + json.dumps(row), flush=True)
+            for cost in query_costs if "attention" in parts_list else ():
+                token_parallel.QUERY_COST_KEYS = cost
+                try:
+                    for row in bench_attention(s, device, group, reps, baseline=False):
+                        row = dict(kind="bench_tp_query_cost", tp=parts, rank=rank, device=name, **row)
+                        rows.append(row)
+                        print("RESULT " + json.dumps(row), flush=True)
+                finally:
+                    token_parallel.QUERY_COST_KEYS = default_cost
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
-    rows += per_rank_summary(rows, link_gbs)
+    rows += per_rank_summary([r for r in rows if r["kind"] == "bench_tp_emulated"], link_gbs)
+    rows += query_cost_summary([r for r in rows if r["kind"] == "bench_tp_query_cost"])
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def query_cost_summary(rows):
+    """Per (S, P, variant, query cost): the slowest rank's attention fwd + bwd and which rank it is."""
+    out = []
+    for key in sorted({(r["S"], r["tp"], r["impl"], r["query_cost"]) for r in rows if r["part"] == "attention"}):
+        ranks = {r["rank"]: r["fwd_bwd_ms"] for r in rows
+                 if r["part"] == "attention" and (r["S"], r["tp"], r["impl"], r["query_cost"]) == key}
+        slowest = max(ranks, key=ranks.get)
+        row = dict(kind="query_cost", S=key[0], tp=key[1], impl=key[2], query_cost=key[3],
+                   slowest_rank=slowest, slowest_fwd_bwd_ms=ranks[slowest], ranks=len(ranks))
+        out.append(row)
+        print("RESULT " + json.dumps(row), flush=True)
+    return out
 
 
 def per_rank_summary(rows, link_gbs):
@@ -226,6 +284,7 @@ def per_rank_summary(rows, link_gbs):
                         tokens_split=worst("attention", "tokens_split", "fwd_bwd_ms"), dense=worst("dense", "sdpa", "fwd_bwd_ms"))
         if replicated is None or None in parts_ms.values():
             continue
+        in_place = worst("attention", "tokens_split_in_place", "fwd_bwd_ms")  # GPU only
         wire = worst("indexer", "split", "wire_bytes") + worst("attention", "tokens_split", "wire_bytes")
         wire_ms = wire / (link_gbs * 1e9) * 1e3
         before = replicated + parts_ms["heads_split"]
@@ -235,6 +294,9 @@ def per_rank_summary(rows, link_gbs):
                    wire_ms_estimate=round(wire_ms, 3), after_ms_estimate=round(after + wire_ms, 3),
                    dense_ms=parts_ms["dense"], **{f"{k}_ms": v for k, v in parts_ms.items() if k != "dense"},
                    indexer_replicated_ms=replicated)
+        if in_place is not None:
+            row.update(tokens_split_in_place_ms=in_place,
+                       after_in_place_ms_estimate=round(parts_ms["index_split"] + in_place + wire_ms, 3))
         out.append(row)
         print("RESULT " + json.dumps(row), flush=True)
     return out
@@ -247,12 +309,15 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_tp.json"))
     ap.add_argument("--emulate", default="", help="P,...: play every rank of P on this one GPU (no wire)")
+    ap.add_argument("--query-costs", default="", help="C,...: with --emulate, the attention also at these "
+                    "token_parallel.QUERY_COST_KEYS")
     ap.add_argument("--link-gbs", type=float, default=350.0,
                     help="--emulate's assumed all-to-all / all-gather bandwidth per GPU, GB/s")
     a = ap.parse_args()
     seqs = [int(x) for x in a.seqs.split(",")]
     if a.emulate:
-        emulate(a.parts.split(","), seqs, [int(x) for x in a.emulate.split(",")], a.reps, a.link_gbs, a.out)
+        emulate(a.parts.split(","), seqs, [int(x) for x in a.emulate.split(",")], a.reps, a.link_gbs, a.out,
+                [int(x) for x in a.query_costs.split(",") if x])
         return
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -260,7 +325,7 @@ def main():
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one builder per host; the others wait
-            precompile([64, 64 // group.size()])
+            precompile([64, 64 // group.size()], head_blocks=[group.size()])
         dist.barrier()
     rows = []
     for s in seqs:

@@ -39,6 +39,9 @@ jobs=(
   "S.compile_kernels(8, 2048, 1/16, parts=('fwd', 'delta'))"
   "S.compile_kernels(8, 2048, 1/16, parts=('bwd',))"
   "S.compile_kernels(16, 2048, 1/16, parts=('bwd', 'delta'))"
+  "S.compile_kernels(64, 2048, 1/16, parts=('fwd', 'bwd'), head_blocks=2)"  # the tp part's tokens_split_in_place
+  "S.compile_kernels(64, 2048, 1/16, parts=('fwd', 'bwd'), head_blocks=4)"
+  "S.compile_kernels(64, 2048, 1/16, parts=('fwd', 'bwd'), head_blocks=8)"
 )
 pids=()
 i=0

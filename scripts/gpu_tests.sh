@@ -45,6 +45,9 @@ done
 jobs+=("128,2048,1/16,parts=('fwd',)" "128,2048,1/16,parts=('bwd','delta')" "64,2048,1/16,kernels='upstream'")
 jobs+=("64,2048,1/16,parts=('slots',)" "4,8,1/math.sqrt(80),parts=('slots',)")  # kernel_indices' reordering
 for dtype in bfloat16 float16; do jobs+=("32,2048,1/16,parts=('bwd','delta'),dtype=torch.$dtype"); done  # 32-head bwd tests
+# test_head_blocked_rows_equal_token_rows: the kernels reading head-blocked rows
+jobs+=("64,2048,1/16,parts=('fwd',),head_blocks=8" "64,2048,1/16,parts=('bwd',),head_blocks=8")
+jobs+=("16,2048,1/16,parts=('fwd','bwd'),head_blocks=2" "64,64,1/16,parts=('fwd','bwd'),head_blocks=2")
 for job in "${jobs[@]}"; do
     i=$((i + 1))
     python3 -c "import math, torch; from glm5_bridge.kernels import compile_kernels as c; c($job)" \

@@ -110,7 +110,7 @@ def test_tilelang_backend_validates_inputs():
     with pytest.raises(ValueError, match="integer top-k"):
         fn(q, kv, topk.float(), 0.1, D_V, packed=True)
     with pytest.raises(ValueError, match="flat layout"):
-        fn(q[None], kv, topk, 0.1, D_V, packed=True)
+        fn(q[None, None], kv, topk, 0.1, D_V, packed=True)
 
 
 def test_kernel_indices_put_used_slots_first_and_kernels_stop_after_the_last():
@@ -286,6 +286,62 @@ def test_fused_autograd_glue_takes_a_subset_of_the_queries():
     assert out.shape == (len(rows), 4, D_V) and kv_r.grad.shape == kv.shape
     assert torch.allclose(q_r.grad, full_q.grad[rows], atol=1e-6)
     assert torch.allclose(kv_r.grad, full_kv.grad, atol=1e-6)
+
+
+def test_row_in_memory_is_the_head_blocked_layout():
+    """The kernels' map from their (token, head) row order to memory (sparse_mla_fwd.row_in_memory)
+    against torch's own transpose of [T, H] rows into [P, T, H/P]."""
+    from glm5_bridge.kernels.sparse_mla_fwd import row_in_memory
+
+    for tokens, heads, blocks in [(5, 16, 4), (7, 64, 8), (3, 8, 1), (1, 32, 2)]:
+        order = torch.arange(tokens * heads)
+        blocked = order.view(tokens, blocks, heads // blocks).transpose(0, 1).reshape(-1)
+        at = row_in_memory(heads, blocks, tokens * heads)(order)
+        assert torch.equal(blocked[at], order), (tokens, heads, blocks)
+    with pytest.raises(AssertionError, match="do not split"):
+        row_in_memory(12, 8, 96)
+
+
+@pytest.mark.parametrize("heads,blocks", [(16, 4), (4, 2)])  # 4 heads pad to 8: never in place
+@pytest.mark.parametrize("in_place", [True, False])
+def test_head_blocked_rows_give_the_flat_rows_results(heads, blocks, in_place):
+    """Token-parallel attention hands the backends q head-blocked, [P, R, H/P, 576] (kernels/ops.py):
+    the fused glue (ops taking the layout in place, or the transposed-copy fallback) and the unfused
+    backend must give the flat call's out, dq and dkv in that layout. The ops see the layout they
+    take: in place the head-blocked q as it lies, else [1, R, padded H, 576]."""
+    from glm5_bridge.kernels.ops import rows_by_token, rows_head_blocked
+
+    q, kv, idx = _inputs([20, 17, 13], heads, 10, seed=heads)
+    dout = torch.randn(50, heads, D_V, generator=torch.Generator().manual_seed(5))
+    seen = []
+
+    def fwd(q_, *args):
+        seen.append(tuple(q_.shape))
+        return reference.OPS.fwd(q_, *args)
+
+    ops = type(reference.OPS)(**{**vars(reference.OPS), "fwd": fwd, "head_blocks": in_place})
+
+    def run(q_, dout_, fn):
+        q_, kv_ = q_.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = fn(q_, kv_)
+        out.backward(dout_)
+        return out.detach(), q_.grad, kv_.grad
+
+    flat = run(q, dout, lambda q_, kv_: SparseMLA.apply(q_, kv_, idx, 0.1, ops, torch.float32))
+    seen.clear()
+    blocked = run(rows_head_blocked(q, blocks), rows_head_blocked(dout, blocks),
+                  lambda q_, kv_: SparseMLA.apply(q_, kv_, idx, 0.1, ops, torch.float32))
+    padded = max(8, heads)
+    assert seen == [(blocks, 50, heads // blocks, D_QK) if in_place and heads == padded else (1, 50, padded, D_QK)]
+    assert blocked[0].shape == (blocks, 50, heads // blocks, D_V)
+    assert torch.allclose(rows_by_token(blocked[0]), flat[0], atol=1e-6)
+    assert torch.allclose(rows_by_token(blocked[1]), flat[1], atol=1e-6)
+    assert torch.allclose(blocked[2], flat[2], atol=1e-5)
+    unfused = lambda q_, kv_: unfused_sparse_mla(q_, kv_, idx, 0.1, D_V)  # noqa: E731
+    unfused_blocked = run(rows_head_blocked(q, blocks), rows_head_blocked(dout, blocks), unfused)
+    for got, want in zip(unfused_blocked, run(q, dout, unfused)):
+        got = rows_by_token(got) if got.ndim == 4 else got
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_fp32_inputs_run_float16_kernels_with_scaled_dout():

@@ -27,6 +27,7 @@ def _inputs(total, heads):
 
 
 def _backend(q, kv, topk, scale, v_dim, *, packed):
+    assert q.ndim == 4  # the rows as the all-to-all delivers them: [ranks, rows, heads per rank, D]
     return sparse_mla(q, kv, topk, scale, v_dim)
 
 

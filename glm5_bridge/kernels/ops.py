@@ -4,6 +4,12 @@ The kernels take a batch axis and a kv-group axis that our flat layout does not 
 [1, T, Hk, 576], kv [1, T, 1, 576], indices [1, T, 1, Kp] int32 (−1 = empty), and return out
 [1, T, Hk, 512] (q's dtype) plus lse [1, T, Hk] fp32 in log2 units (log2 Σ exp, the scale folded in;
 0 for an all-empty row). `SparseMLA` maps our [T, H, 576] / [T, 576] / [T, K] onto that.
+
+q may also come head-blocked, [P, T, H/P, 576]: block p holds heads p·H/P … of every token, as
+token-parallel attention's all-to-all delivers it (model/attention/token_parallel.py); the output
+comes back in the same layout. Kernel sets with `head_blocks` read and write that layout in place
+(q [P, T, H/P, 576] is then the kernels' q, the first axis P where it was 1); the others, and head
+counts the kernels pad, get a transposed copy each way (`rows_by_token` / `rows_head_blocked`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ def require_tilelang() -> None:
 
 KERNELS_ENV = "GLM5_DSA_KERNELS"  # "ours" (default) or "upstream"
 DEFAULT_KERNELS = "ours"
+# Whether our kernels take head-blocked q in place. Off until tests/gpu/test_tilelang_backend.py::
+# test_head_blocked_rows_equal_token_rows has passed on a GPU (written 2026-12-07, not yet run there):
+# till then head-blocked q gets the transposed copies (the behaviour measured so far). "1" turns it on.
+HEAD_BLOCKS_ENV = "GLM5_DSA_HEAD_BLOCKS"
+
+
+def ours_take_head_blocks() -> bool:
+    return os.environ.get(HEAD_BLOCKS_ENV, "0") == "1"
 
 
 def default_kernels() -> str:
@@ -60,6 +74,8 @@ def tilelang_ops() -> SimpleNamespace:
     bwd(q, kv, out, dout, idx, lse, scale, used) → (dq, dkv), fp32 or q's dtype
     (used: [T] int32, the used slots per row, which `kernel_indices` puts first; ours stop there)
     float16: whether fwd/bwd also take float16 q/kv (else bfloat16 only)
+    head_blocks: whether fwd/bwd take q [P, T, H/P, 576] with P > 1 (head-blocked rows, module
+    docstring) and return out, lse, dq in that layout
 
     The default set (`default_kernels()`): ours (`ours_ops`, kernels/sparse_mla_fwd.py and
     sparse_mla_bwd.py) or megatron-core 0.19.2's TileLang ops (`upstream_ops`).
@@ -74,18 +90,16 @@ def ours_ops() -> SimpleNamespace:
     require_tilelang()
     from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
+    # q [P, T, H/P, 576] goes to our kernels as it is: P = 1 is the flat layout, P > 1 head-blocked
     def fwd(q, kv, idx, scale, used):
-        _, t, h, _ = q.shape
-        out, lse = sparse_mla_fwd.fwd(q.view(t, h, D_QK), kv.view(-1, D_QK), idx.view(t, -1), scale, used)
-        return out.view(1, t, h, D_V), lse.view(1, t, h)
+        return sparse_mla_fwd.fwd(q, kv.view(-1, D_QK), idx.view(q.shape[1], -1), scale, used)
 
     def bwd(q, kv, out, dout, idx, lse, scale, used):
-        _, t, h, _ = q.shape
-        dq, dkv = sparse_mla_bwd.bwd(q.view(t, h, D_QK), kv.view(-1, D_QK), out.view(t, h, D_V),
-                                     dout.view(t, h, D_V), idx.view(t, -1), lse.view(t, h), scale, used)
-        return dq.view(1, t, h, D_QK), dkv.view(1, -1, 1, D_QK)
+        dq, dkv = sparse_mla_bwd.bwd(q, kv.view(-1, D_QK), out, dout, idx.view(q.shape[1], -1), lse, scale, used)
+        return dq, dkv.view(1, -1, 1, D_QK)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True, min_heads=MIN_HEADS)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=True, float16=True, min_heads=MIN_HEADS,
+                           head_blocks=ours_take_head_blocks())
 
 
 @functools.cache
@@ -106,7 +120,8 @@ def upstream_ops() -> SimpleNamespace:
         delta = bwd_mod.sparse_mla_delta(out, dout)
         return bwd_mod.sparse_mla_bwd(q, kv, None, dout, idx, lse, sm_scale=scale, delta=delta)
 
-    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False, float16=False, min_heads=UPSTREAM_MIN_HEADS)
+    return SimpleNamespace(fwd=fwd, bwd=bwd, bwd_is_ours=False, float16=False, min_heads=UPSTREAM_MIN_HEADS,
+                           head_blocks=False)
 
 
 def kernel_heads(heads: int, min_heads: int = MIN_HEADS) -> int:
@@ -117,6 +132,27 @@ def kernel_heads(heads: int, min_heads: int = MIN_HEADS) -> int:
 def kernel_topk(topk: int) -> int:
     """Top-k slots the kernels run with: a multiple of 64, at least 64."""
     return max(TOPK_TILE, -(-topk // TOPK_TILE) * TOPK_TILE)
+
+
+def _transpose01(x: torch.Tensor) -> torch.Tensor:
+    """x [A, B, ...] → contiguous [B, A, ...]. The copy is strided, so torch runs it element by
+    element: bf16 rows go as 8-byte words where their width allows (half the time of 2-byte
+    elements at TP 8 × 8K, benchmarks/LOG.md run AY)."""
+    if x.shape[-1] * x.element_size() % 8 == 0 and x.stride(-1) == 1 and x.element_size() < 8:
+        return x.view(torch.int64).transpose(0, 1).contiguous().view(x.dtype)
+    return x.transpose(0, 1).contiguous()
+
+
+def rows_by_token(x: torch.Tensor) -> torch.Tensor:
+    """Head-blocked [P, T, H/P, D] → [T, H, D] (a copy)."""
+    p, t, local, d = x.shape
+    return _transpose01(x).view(t, p * local, d)
+
+
+def rows_head_blocked(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """[T, H, D] → head-blocked [P, T, H/P, D] with P = blocks (a copy)."""
+    t, h, d = x.shape
+    return _transpose01(x.view(t, blocks, h // blocks, d))
 
 
 def _pad_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -172,33 +208,50 @@ def _float16_dout(dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class SparseMLA(torch.autograd.Function):
     """out = sparse MLA(q, kv, topk); gradients for q and kv. `ops` = tilelang_ops() (or
     kernels.reference.OPS), `dtype` = the kernels' element type (kernel_dtype): q/kv are cast to
-    it here, the output and the gradients come back in the inputs' dtypes. Saved for backward: q
-    (padded if H is not a kernel head count), kv, the int32 indices, the output and lse."""
+    it here, the output and the gradients come back in the inputs' dtypes and q's layout (flat
+    [T, H, 576] or head-blocked [P, T, H/P, 576], module docstring). Saved for backward: the
+    kernels' q (padded if H is not a kernel head count), kv, the int32 indices, the output and lse."""
 
     @staticmethod
     def forward(ctx, q, kv, topk, softmax_scale, ops, dtype=torch.bfloat16):
-        t, h, _ = q.shape
-        q4 = _pad_heads(q.to(dtype), kernel_heads(h, ops.min_heads))
+        blocks = q.shape[0] if q.ndim == 4 else 1
+        heads = q.shape[-2] * blocks
+        # in place: the kernels take the head-blocked rows as they lie (no padding, no transposes)
+        ctx.in_place = q.ndim == 4 and ops.head_blocks and kernel_heads(heads, ops.min_heads) == heads
+        if ctx.in_place:
+            qk = q.to(dtype).contiguous()
+        else:
+            qk = _pad_heads((rows_by_token(q) if q.ndim == 4 else q).to(dtype), kernel_heads(heads, ops.min_heads))
         kv4 = kv.to(dtype).contiguous().view(1, kv.shape[0], 1, D_QK)  # as many keys as queries, or more
         idx4, used = kernel_indices(topk)
-        out4, lse = ops.fwd(q4, kv4, idx4, softmax_scale, used)
-        out = out4[0, :, :h]
-        ctx.save_for_backward(q4, kv4, idx4, used, out, lse)
-        ctx.softmax_scale, ctx.ops, ctx.input_dtypes = softmax_scale, ops, (q.dtype, kv.dtype)
+        out4, lse = ops.fwd(qk, kv4, idx4, softmax_scale, used)
+        out = out4 if ctx.in_place else out4[0, :, :heads]
+        ctx.save_for_backward(qk, kv4, idx4, used, out, lse)
+        ctx.softmax_scale, ctx.ops, ctx.input_dtypes, ctx.blocks = softmax_scale, ops, (q.dtype, kv.dtype), blocks
+        if q.ndim == 4 and not ctx.in_place:
+            out = rows_head_blocked(out, blocks)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q4, kv4, idx4, used, out, lse = ctx.saved_tensors
-        t, h, _ = out.shape
-        heads = q4.shape[2]
+        qk, kv4, idx4, used, out, lse = ctx.saved_tensors
         unscale = None
         if out.dtype == torch.float16:
             dout, unscale = _float16_dout(dout)
-        # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
-        dq4, dkv4 = ctx.ops.bwd(q4, kv4, _pad_heads(out, heads), _pad_heads(dout.to(out.dtype), heads),
-                                idx4, lse, ctx.softmax_scale, used)
-        dq, dkv = dq4[0, :, :h], dkv4.view(-1, D_QK)
+        dout = dout.to(out.dtype)
+        if ctx.in_place:
+            dq, dkv4 = ctx.ops.bwd(qk, kv4, out, dout.contiguous(), idx4, lse, ctx.softmax_scale, used)
+        else:
+            if dout.ndim == 4:
+                dout = rows_by_token(dout)
+            heads, padded = out.shape[1], qk.shape[2]
+            # Padded heads get dout = 0, so their delta and every term they add to dkv are 0.
+            dq4, dkv4 = ctx.ops.bwd(qk, kv4, _pad_heads(out, padded), _pad_heads(dout, padded),
+                                    idx4, lse, ctx.softmax_scale, used)
+            dq = dq4[0, :, :heads]
+            if ctx.blocks > 1:
+                dq = rows_head_blocked(dq, ctx.blocks)
+        dkv = dkv4.view(-1, D_QK)
         if unscale is not None:
             dq, dkv = dq.float() * unscale, dkv.float() * unscale
         return dq.to(ctx.input_dtypes[0]), dkv.to(ctx.input_dtypes[1]), None, None, None, None
@@ -206,12 +259,13 @@ class SparseMLA(torch.autograd.Function):
 
 def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: int) -> None:
     """Raise ValueError, with what to do, for any input the kernels would get wrong."""
-    if q.ndim != 3 or kv.ndim != 2 or topk.ndim != 2:
-        raise ValueError("tilelang sparse MLA takes the flat layout q [T, H, 576], kv [T, 576], topk [T, K]; got "
-                         f"q {tuple(q.shape)}, kv {tuple(kv.shape)}, topk {tuple(topk.shape)}")
-    if q.shape[0] != topk.shape[0]:  # kv may hold more rows (token-parallel attention: a rank's queries)
+    if q.ndim not in (3, 4) or kv.ndim != 2 or topk.ndim != 2:
+        raise ValueError("tilelang sparse MLA takes the flat layout q [T, H, 576] (or head-blocked [P, T, H/P, 576]), "
+                         f"kv [T, 576], topk [T, K]; got q {tuple(q.shape)}, kv {tuple(kv.shape)}, "
+                         f"topk {tuple(topk.shape)}")
+    if q.shape[-3] != topk.shape[0]:  # kv may hold more rows (token-parallel attention: a rank's queries)
         raise ValueError(f"tilelang sparse MLA: q and topk must have the same row count; got "
-                         f"{q.shape[0]}, {topk.shape[0]}")
+                         f"{q.shape[-3]}, {topk.shape[0]}")
     if q.shape[-1] != D_QK or kv.shape[-1] != D_QK or v_dim != D_V:
         raise ValueError(
             f"the TileLang sparse-MLA kernels are built for kv_lora_rank {D_V} + qk_rope_head_dim {D_QK - D_V} "
@@ -228,8 +282,9 @@ def check_inputs(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, v_dim: i
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                v_dim: int = D_V) -> torch.Tensor:
-    """Fused sparse MLA: q [R,H,576], kv [T,576], topk [R,K] flat indices (−1 empty) → [R,H,512].
-    R = T, or a subset of the T queries (token-parallel attention, attention/token_parallel.py).
+    """Fused sparse MLA: q [R,H,576], kv [T,576], topk [R,K] flat indices (−1 empty) → [R,H,512];
+    q head-blocked [P,R,H/P,576] → [P,R,H/P,512] (module docstring). R = T, or a subset of the T
+    queries (token-parallel attention, attention/token_parallel.py).
 
     Indices must lie in [0, T) or be negative (every negative index counts as an empty slot);
     callers pass select_topk's output or a replayed top-k checked by attention/topk.check_topk.
@@ -240,12 +295,14 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_sc
 
 
 def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dtype: torch.dtype = torch.bfloat16,
-                    kernels: str | None = None) -> None:
+                    kernels: str | None = None, head_blocks: int = 1) -> None:
     """Build (or load from TileLang's disk cache) the kernels `sparse_mla` will use for `heads`
     query heads, top-k width `topk`, this softmax scale and element type. Each part can be built in
     its own process; later processes then load them from the cache instead of compiling.
     Parts: ours ("fwd", "bwd", "delta", "slots"), upstream ("fwd", "delta", "bwd", "post", "slots"; "slots"
-    is ours in both: kernel_indices' reordering, slot_order.py); default all."""
+    is ours in both: kernel_indices' reordering, slot_order.py); default all. head_blocks P > 1 (ours
+    only): the fwd / bwd builds reading head-blocked rows [P, T, H/P, 576] (tensor parallelism P's
+    token-parallel attention, `ours_take_head_blocks`)."""
     kernels = kernels or default_kernels()
     ops = ours_ops() if kernels == "ours" else upstream_ops()  # also the import checks
     hk, kp, scale = kernel_heads(heads, ops.min_heads), kernel_topk(topk), float(softmax_scale)
@@ -253,10 +310,12 @@ def compile_kernels(heads: int, topk: int, softmax_scale: float, parts=None, dty
         from glm5_bridge.kernels import sparse_mla_bwd, sparse_mla_fwd
 
         name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-        builders = {"fwd": lambda: sparse_mla_fwd.compile_fwd(hk, kp, scale, name),
-                    "bwd": lambda: sparse_mla_bwd.compile_bwd(hk, kp, scale, name),
+        builders = {"fwd": lambda: sparse_mla_fwd.compile_fwd(hk, kp, scale, name, head_blocks),
+                    "bwd": lambda: sparse_mla_bwd.compile_bwd(hk, kp, scale, name, head_blocks),
                     "delta": lambda: sparse_mla_bwd.get_delta_kernel(hk, name)}
     else:
+        if head_blocks != 1:
+            raise ValueError("compile_kernels: head_blocks is for our kernels; upstream's take flat rows only")
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_bwd as bwd_mod
         from megatron.core.transformer.experimental_attention_variant.ops import tilelang_sparse_mla_fwd as fwd_mod
 

@@ -31,12 +31,23 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> tor
     return torch.einsum("rhs,rh->rs", logits, weights.float())
 
 
+def _by_token(x):
+    """The kernels' rows [P, T, H/P, ...] (P = 1: flat; above: head-blocked, ops.py) → fp32 [T, H, ...]."""
+    return x.float().transpose(0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _blocked(x, like):
+    """[T, H, ...] → the layout of `like` ([P, T, H/P, ...])."""
+    p, t, local = like.shape[:3]
+    return x.reshape(t, p, local, *x.shape[2:]).transpose(0, 1).contiguous()
+
+
 def _unpack(q, kv, idx):
     """Kernel layout → q [T,H,D], gathered keys [T,K,D] (fp32), valid [T,K], safe flat indices."""
     flat = idx[0, :, 0].long()
     valid = flat >= 0
     safe = flat.clamp(min=0)
-    return q[0].float(), kv[0, :, 0].float()[safe], valid, safe
+    return _by_token(q), kv[0, :, 0].float()[safe], valid, safe
 
 
 def _probs(q, keys, valid, scale, lse2=None):
@@ -51,14 +62,14 @@ def fwd(q, kv, idx, scale, used=None):  # `used` (the kernels' loop bound) chang
     q32, keys, valid, _ = _unpack(q, kv, idx)
     p, lse = _probs(q32, keys, valid, scale)
     out = torch.einsum("thk,tkc->thc", p, keys[..., :D_V])
-    return out.to(q.dtype)[None], (lse / LN2)[None]
+    return _blocked(out.to(q.dtype), q), _blocked(lse / LN2, q)
 
 
 def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     q32, keys, valid, safe = _unpack(q, kv, idx)
-    p, _ = _probs(q32, keys, valid, scale, lse2=lse[0])
-    do = dout[0].float()
-    delta = (out[0].float() * do).sum(-1)
+    p, _ = _probs(q32, keys, valid, scale, lse2=_by_token(lse))
+    do = _by_token(dout)
+    delta = (_by_token(out) * do).sum(-1)
     ds = p * (torch.einsum("thc,tkc->thk", do, keys[..., :D_V]) - delta[..., None]) * scale
     dq = torch.einsum("thk,tkd->thd", ds, keys)
     dkeys = torch.einsum("thk,thd->tkd", ds, q32)
@@ -66,10 +77,11 @@ def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     dkeys = dkeys * valid[..., None]
     dkv = torch.zeros(kv.shape[1], kv.shape[-1], dtype=torch.float32, device=kv.device)
     dkv.index_add_(0, safe.reshape(-1), dkeys.reshape(-1, kv.shape[-1]))
-    return dq[None], dkv[None, :, None]
+    return _blocked(dq, q), dkv[None, :, None]
 
 
-OPS = SimpleNamespace(fwd=fwd, bwd=bwd, float16=True, min_heads=MIN_HEADS)  # pads as ours do
+# pads as ours do; head_blocks: takes head-blocked rows in place, as ours can (ops.ours_take_head_blocks)
+OPS = SimpleNamespace(fwd=fwd, bwd=bwd, float16=True, min_heads=MIN_HEADS, head_blocks=True)
 
 
 def random_causal_topk(lengths: list[int], topk: int, *, device="cpu", generator=None) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch
 
 from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shape, token_group, union_slots
 from glm5_bridge.kernels._tilelang import D_QK, D_TAIL, D_V, LOG2E, compile_kernel, tl
-from glm5_bridge.kernels.sparse_mla_fwd import scores_macro, walked_slots
+from glm5_bridge.kernels.sparse_mla_fwd import heads_of, row_in_memory, row_io, scores_macro, walked_slots
 
 
 
@@ -89,7 +89,7 @@ def fused_dkv_order(device=None) -> torch.Tensor:
 
 
 def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", cols: int = 128,
-                 adds: bool = True, min_blocks: int | None = None, group: int | None = None):
+                 adds: bool = True, min_blocks: int | None = None, group: int | None = None, head_blocks: int = 1):
     """The backward in one pass per (token, head block of min(heads, 64)); see the module
     docstring. Shared memory at 64 heads: Q, dO, one 64-key block, P and dS = 224 KB, so one CTA
     per SM and no staging buffer for the adds: they go straight from the accumulator fragments, 16
@@ -105,8 +105,10 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     stay): the benchmark's cost split, not a backward. group: tokens per CTA (default
     token_group(heads)); above 1 the kernel sees each group as one "token" of group·heads rows and
     group·topk slots (the union, `fused_call`), a row seeing a slot where its token's bit is set
-    in Vis."""
+    in Vis. head_blocks > 1: q, dO, lse, delta and dq rows in the head-blocked layout
+    (sparse_mla_fwd.row_in_memory)."""
     tilelang, T = tl()
+    token_heads = heads
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     # 64 keys per step and two warpgroups: DKV_ADD reads the m64 accumulator tile of two
     # warpgroups, 16-channel blocks per warpgroup
@@ -128,6 +130,8 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     # (TileLang bounds the copies by num_rows), so the caller pads nothing.
     nr = T.dynamic("num_rows")
     scores = scores_macro(T, hb, block_i, rows_per_token)
+    at = row_in_memory(token_heads, head_blocks, nr)
+    rows = row_io(T, hb, nr, at)
 
     @T.prim_func
     def main(Q: T.Tensor([nr, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
@@ -154,11 +158,18 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
             lse = T.alloc_fragment([hb], f32)
             delta = T.alloc_fragment([hb], f32)
             t, r0 = bx // nhb, bx * hb  # Idx row, first q row
-            T.copy(Q[r0:r0 + hb, 0:D_V], q_s)
-            T.copy(Q[r0:r0 + hb, D_V:D_QK], qt_s)
-            T.copy(dO[r0:r0 + hb, :], do_s)
-            T.copy(Lse[r0:r0 + hb], lse)
-            T.copy(Delta[r0:r0 + hb], delta)
+            if head_blocks == 1:
+                T.copy(Q[r0:r0 + hb, 0:D_V], q_s)
+                T.copy(Q[r0:r0 + hb, D_V:D_QK], qt_s)
+                T.copy(dO[r0:r0 + hb, :], do_s)
+                T.copy(Lse[r0:r0 + hb], lse)
+                T.copy(Delta[r0:r0 + hb], delta)
+            else:  # a short last group's missing rows see no slot: their p, ds and dKV terms are 0
+                rows.load(Q, r0, 0, q_s, D_V)
+                rows.load(Q, r0, D_V, qt_s, D_TAIL)
+                rows.load(dO, r0, 0, do_s, D_V)
+                rows.load_row(Lse, r0, lse)
+                rows.load_row(Delta, r0, delta)
             T.fill(acc_dq, 0)
             T.fill(acc_dqt, 0)
             # One stage: Q (72 KB) + dO (64 KB) leave room for one 72 KB block of 64 keys at 64
@@ -197,11 +208,18 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
                 # 16.9 against 15.3 at 32 heads (not profiled), so only at 64 (H200)
                 T.copy(acc_dq, q_s)
                 T.copy(acc_dqt, qt_s)
-                T.copy(q_s, dQ[r0:r0 + hb, 0:D_V])
-                T.copy(qt_s, dQ[r0:r0 + hb, D_V:D_QK])
-            else:
+                if head_blocks == 1:
+                    T.copy(q_s, dQ[r0:r0 + hb, 0:D_V])
+                    T.copy(qt_s, dQ[r0:r0 + hb, D_V:D_QK])
+                else:
+                    rows.store(q_s, dQ, r0, 0, D_V)
+                    rows.store(qt_s, dQ, r0, D_V, D_TAIL)
+            elif head_blocks == 1:
                 T.copy(acc_dq, dQ[r0:r0 + hb, 0:D_V])
                 T.copy(acc_dqt, dQ[r0:r0 + hb, D_V:D_QK])
+            else:
+                rows.store(acc_dq, dQ, r0, 0, D_V)
+                rows.store(acc_dqt, dQ, r0, D_V, D_TAIL)
 
     return compile_kernel(main, out_idx=[])
 
@@ -266,13 +284,13 @@ def get_delta_kernel(heads: int, dtype: str):
 
 
 @functools.cache
-def get_fused_kernel(heads: int, topk: int, scale: float, dtype: str):
-    return fused_kernel(heads, topk, float(scale), dtype)
+def get_fused_kernel(heads: int, topk: int, scale: float, dtype: str, head_blocks: int = 1):
+    return fused_kernel(heads, topk, float(scale), dtype, head_blocks=head_blocks)
 
 
-def compile_bwd(heads: int, topk: int, scale: float, dtype: str) -> None:
+def compile_bwd(heads: int, topk: int, scale: float, dtype: str, head_blocks: int = 1) -> None:
     """Build what `bwd` runs for these shapes: the fused kernel and, for token groups, their union."""
-    get_fused_kernel(heads, topk, scale, dtype)
+    get_fused_kernel(heads, topk, scale, dtype, head_blocks)
     compile_union(heads, topk)
 
 
@@ -286,26 +304,28 @@ def _dtype_name(x: torch.Tensor) -> str:
 def fused_call(kernel, group, q, kv, dout, idx, cnt, lse, delta, union=union_slots):
     """Run a fused_kernel build (made with this group) → (dq, dkv fp32 in true channel order).
     q [T,H,576], dout [T,H,512] contiguous, idx [T,K] int32, cnt as for
-    sparse_mla_fwd.walked_slots, lse / delta [T,H] fp32. For groups, union(idx, group) lists the
+    sparse_mla_fwd.walked_slots, lse / delta [T,H] fp32 (for a build with head_blocks P, q, dout,
+    lse, delta and dq head-blocked: [P,T,H/P,…]). For groups, union(idx, group) lists the
     ⌈T/group⌉ groups' slots (slot_union.py; the benchmark swaps in the torch sort)."""
-    t, h, _ = q.shape
     dq = torch.empty(q.shape, dtype=getattr(torch, dq_dtype(_dtype_name(q))), device=q.device)
     dkv = torch.zeros(kv.shape[0], D_QK, dtype=torch.float32, device=q.device)
-    kernel(q.view(t * h, D_QK), kv, dout.view(t * h, D_V), *walked_slots(idx, cnt, group, union),
-           lse.reshape(t * h), delta.reshape(t * h), dq.view(t * h, D_QK), dkv)
+    kernel(q.view(-1, D_QK), kv, dout.view(-1, D_V), *walked_slots(idx, cnt, group, union),
+           lse.reshape(-1), delta.reshape(-1), dq.view(-1, D_QK), dkv)
     return dq, dkv[:, fused_dkv_order(dkv.device)]
 
 
 def bwd(q, kv, out, dout, idx, lse, scale, used=None):
     """q [T,H,576], kv [Tkv,576], out/dout [T,H,512] (q's dtype), idx [T,K] int32, lse [T,H] (log2,
     from our forward or upstream's), used = active_slots(idx) if not given → dq [T,H,576]
-    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 8; K a multiple of 64."""
-    h, k = q.shape[1], idx.shape[1]
+    (dq_dtype), dkv [Tkv,576] fp32. H: a power of two ≥ 8; K a multiple of 64. q, out, dout, lse
+    may come head-blocked ([P,T,H/P,…], sparse_mla_fwd.row_in_memory); dq then comes so too."""
+    (h, blocks), k = heads_of(q), idx.shape[1]
     dtype = _dtype_name(q)
     q, kv, dout, idx = q.contiguous(), kv.contiguous(), dout.contiguous(), idx.contiguous()
-    delta = get_delta_kernel(h, dtype)(out.contiguous(), dout)
-    return fused_call(get_fused_kernel(h, k, float(scale), dtype), token_group(h), q, kv, dout, idx, used,
-                      lse.float().contiguous(), delta)
+    # delta is one number per row, whatever order the rows lie in: [rows, H] of memory order
+    delta = get_delta_kernel(h, dtype)(out.contiguous().view(-1, h, D_V), dout.view(-1, h, D_V))
+    return fused_call(get_fused_kernel(h, k, float(scale), dtype, blocks), token_group(h), q, kv, dout, idx,
+                      used, lse.float().contiguous(), delta)
 
 
 def bwd_reference(q, kv, out, dout, idx, lse, scale, chunk=256):

@@ -52,6 +52,21 @@ from glm5_bridge.kernels.slot_union import ROW_TILE, compile_union, grouped_shap
 PV_KEYS = 64  # keys per P·V GEMM (and per P tile in shared memory)
 
 
+def row_in_memory(heads: int, head_blocks: int, num_rows):
+    """Where the kernels find row r = token·heads + head (their flat (token, head) order) of q, out,
+    lse (and, backward, dO, dq, delta): a function r → its row in memory. head_blocks 1: q [T, H, 576],
+    row r itself. head_blocks P: q head-blocked [P, T, H/P, 576] — as token-parallel attention's
+    all-to-all delivers it (model/attention/token_parallel.py), block p holding heads p·H/P … of every
+    token — so the kernels read and write that layout in place instead of the caller transposing it
+    both ways. Works on ints, torch tensors and TIR expressions (num_rows: T·H, dynamic in a kernel)."""
+    if head_blocks == 1:
+        return lambda r: r
+    per_block = heads // head_blocks
+    assert per_block * head_blocks == heads, f"{heads} heads do not split into {head_blocks} blocks"
+    tokens = num_rows // heads
+    return lambda r: (r % heads) // per_block * (tokens * per_block) + r // heads * per_block + r % per_block
+
+
 def block_keys(heads: int, topk: int, skip_empty: bool = True) -> int:
     """Keys per step of `simple_kernel` (at 64 heads and top-k % 128 == 0 `get_kernel` builds
     `seesaw_kernel` instead; the 128-key case serves direct calls). 128 at 64 heads: each
@@ -75,6 +90,36 @@ def visible(Vis, t, slot, h, rows_per_token: int):
     return Vis[t, slot] >= 0
 
 
+def row_io(T, hb: int, nr, at):
+    """Macros moving a CTA's hb rows r0 … r0 + hb − 1 between global memory, at rows at(r) (a
+    `row_in_memory` map), and its tiles: load / load_row read columns col0 … of 2-D / one value of
+    1-D rows, a short last group's rows past nr reading the last row (they see no slot: masked,
+    never stored); store writes only rows below nr (the kernels add no bounds of their own there)."""
+    @T.macro
+    def load(Src, r0, col0, dst, cols):
+        for r, d in T.Parallel(hb, cols):
+            dst[r, d] = Src[at(T.min(r0 + r, nr - 1)), col0 + d]
+
+    @T.macro
+    def load_row(Src, r0, dst):
+        for r in T.Parallel(hb):
+            dst[r] = Src[at(T.min(r0 + r, nr - 1))]
+
+    @T.macro
+    def store(src, Dst, r0, col0, cols):
+        for r, d in T.Parallel(hb, cols):
+            if r0 + r < nr:
+                Dst[at(r0 + r), col0 + d] = src[r, d]
+
+    @T.macro
+    def store_row(src, Dst, r0):
+        for r in T.Parallel(hb):
+            if r0 + r < nr:
+                Dst[at(r0 + r)] = src[r]
+
+    return SimpleNamespace(load=load, load_row=load_row, store=store, store_row=store_row)
+
+
 def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
     """One step of the key loop, shared by the forward and the backward (sparse_mla_bwd):
     gather key block i (block_i rows of kv by index; −1 reads row 0 and is masked) into shared
@@ -95,15 +140,17 @@ def scores_macro(T, hb: int, block_i: int, rows_per_token: int = 0):
 
 def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = None, threads: int = 256,
                   num_stages: int | None = None, dtype: str = "bfloat16", skip_empty: bool = True,
-                  group: int | None = None):
+                  group: int | None = None, head_blocks: int = 1):
     """block_i: keys per step, default block_keys(rows per CTA, slots, skip_empty). skip_empty=False
     walks all top-k blocks whatever Cnt says (the benchmark's baseline, 64-key blocks in two
     stages). group: tokens per CTA (default token_group(heads): 4 at 16 heads, 2 at 32); above 1
     a CTA runs the group's group·heads rows over the union of their slots (slot_union.py), a row
     seeing a slot where its token's bit is set in Vis, as the backward's token groups do. Call it
     through `fwd_call`: q, O and lse go as flat (token, head) rows, CTA bx taking rows
-    [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows."""
+    [hb·bx, hb·bx + hb), the last group's missing rows bounded by num_rows; head_blocks > 1 reads and
+    writes those rows in the head-blocked layout (`row_in_memory`)."""
     tilelang, T = tl()
+    token_heads = heads
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb = min(heads, ROW_TILE)
     assert group == 1 or heads == hb, "token groups fill one row tile"
@@ -119,6 +166,7 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
     nkv = T.dynamic("num_kv")
     nr = T.dynamic("num_rows")
     scores = scores_macro(T, hb, block_i, rows_per_token)
+    rows = row_io(T, hb, nr, row_in_memory(token_heads, head_blocks, nr))
 
     @T.prim_func
     def main(Q: T.Tensor([nr, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
@@ -138,8 +186,12 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
             rs = T.alloc_fragment([hb], f32)
             alpha = T.alloc_fragment([hb], f32)
             t, r0 = bx // nhb, bx * hb  # Idx row, first q row
-            T.copy(Q[r0:r0 + hb, 0:D_V], q_s)
-            T.copy(Q[r0:r0 + hb, D_V:D_QK], qt_s)
+            if head_blocks == 1:
+                T.copy(Q[r0:r0 + hb, 0:D_V], q_s)
+                T.copy(Q[r0:r0 + hb, D_V:D_QK], qt_s)
+            else:
+                rows.load(Q, r0, 0, q_s, D_V)
+                rows.load(Q, r0, D_V, qt_s, D_TAIL)
             T.fill(acc_o, 0)
             T.fill(l, 0)
             T.fill(m, -(2.0**30))
@@ -179,22 +231,26 @@ def simple_kernel(heads: int, topk: int, scale: float, block_i: int | None = Non
                 acc_o[h, d] = acc_o[h, d] * alpha[h]
             for h in T.Parallel(hb):
                 rs[h] = T.if_then_else(l[h] > 0, T.log2(l[h]) + m[h] * c, 0)
-            T.copy(acc_o, O[r0:r0 + hb, :])
-            T.copy(rs, Lse[r0:r0 + hb])
+            if head_blocks == 1:
+                T.copy(acc_o, O[r0:r0 + hb, :])
+                T.copy(rs, Lse[r0:r0 + hb])
+            else:
+                rows.store(acc_o, O, r0, 0, D_V)
+                rows.store_row(rs, Lse, r0)
 
     return compile_kernel(main, out_idx=[-2, -1])
 
 
 def fwd_call(kernel, group, q, kv, idx, cnt=None, union=union_slots):
-    """Run a simple_kernel or seesaw_kernel build (made with this group): q [T,H,576], kv [T,576],
-    idx [T,K] int32, cnt as for `walked_slots` → out [T,H,512], lse [T,H]."""
-    t, h, _ = q.shape
-    out, lse = kernel(q.reshape(t * h, D_QK), kv, *walked_slots(idx, cnt, group, union))
-    return out.view(t, h, D_V), lse.view(t, h)
+    """Run a simple_kernel or seesaw_kernel build (made with this group): q [T,H,576] (or, for a
+    build with head_blocks P, head-blocked [P,T,H/P,576]), kv [T,576], idx [T,K] int32, cnt as for
+    `walked_slots` → out [T,H,512], lse [T,H] (head-blocked: [P,T,H/P,512], [P,T,H/P])."""
+    out, lse = kernel(q.reshape(-1, D_QK), kv, *walked_slots(idx, cnt, group, union))
+    return out.view(*q.shape[:-1], D_V), lse.view(q.shape[:-1])
 
 
 def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", regs=(216, 216, 72),
-                  group: int | None = None):
+                  group: int | None = None, head_blocks: int = 1):
     """The forward over 64-row tiles (`uses_seesaw`): a token's 64-head block, or below 64 heads a
     token group (group as in simple_kernel; call it through `fwd_call`). Warp-specialised, 384 threads. Keys come in 64-key blocks through two stages, each stored as
     three parts — latent left half kl (channels 0…255), right half kr (256…511), rope kt (512…575).
@@ -220,8 +276,10 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     leaves through the Q tiles once both warpgroups are past their last QK: 16-byte row stores
     instead of 4-byte fragment stores over 8 rows (2–5 % faster, H200). regs: setmaxnreg of
     WG0, WG1 and the producers (216 × 256 + 72 × 128 = 64,512 registers, the 168 per thread that
-    ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups)."""
+    ptxas gives the CTA at launch; setmaxnreg only moves registers between its warpgroups).
+    head_blocks > 1: q, O and lse rows in the head-blocked layout (`row_in_memory`)."""
     tilelang, T = tl()
+    token_heads = heads
     group, rows_per_token, heads, topk = grouped_shape(heads, topk, group)
     hb, bi, dh = 64, 64, D_V // 2
     assert heads % hb == 0 and topk % (2 * bi) == 0
@@ -230,6 +288,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
     n = T.dynamic("num_tokens")  # the rows of Idx: tokens, or token groups (their union)
     nkv = T.dynamic("num_kv")
     nr = T.dynamic("num_rows")
+    rows = row_io(T, hb, nr, row_in_memory(token_heads, head_blocks, nr))
     neg = -(2.0**30)
 
     # Barrier arguments are (buffer, index) pairs: an indexed barrier passed into a macro arrives
@@ -271,14 +330,6 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
         # S starts at 0 where the row may see the slot and −inf elsewhere; QK accumulates into it
         for h, r in T.Parallel(hb, bi):
             w.acc_s[h, r] = T.if_then_else(visible(Vis, t, b * bi + r, h, rows_per_token), 0, -T.infinity(f32))
-
-    @T.macro
-    def store_rows(src, Dst, r0, col0, cols):
-        # rows r0 … r0 + 63 of the flat output; the last token group's missing rows are not stored
-        # (safe memory access is off in this kernel: TileLang adds no bounds of its own)
-        for r, d in T.Parallel(hb, cols):
-            if r0 + r < nr:
-                Dst[r0 + r, col0 + d] = src[r, d]
 
     @T.macro
     def normalise(w, acc, own):
@@ -363,13 +414,9 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
             t, r0 = bx // nhb, bx * hb  # Idx row, first q row
             npairs = T.max(T.ceildiv(Cnt[t], 2 * bi), 1)
             if tx < 256:
-                # rows past the end (a short last group) read the last row: masked, not stored
-                for r, d in T.Parallel(hb, dh):
-                    g.q_l[r, d] = Q[T.min(r0 + r, nr - 1), d]
-                for r, d in T.Parallel(hb, dh):
-                    g.q_r[r, d] = Q[T.min(r0 + r, nr - 1), dh + d]
-                for r, d in T.Parallel(hb, D_TAIL):
-                    g.q_t[r, d] = Q[T.min(r0 + r, nr - 1), D_V + d]
+                rows.load(Q, r0, 0, g.q_l, dh)  # rows past the end (a short last group): see row_io
+                rows.load(Q, r0, dh, g.q_r, dh)
+                rows.load(Q, r0, D_V, g.q_t, D_TAIL)
             T.sync_threads()
 
             if tx < 128:  # WG0: even blocks, O[:, :256]
@@ -407,7 +454,7 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                 # O leaves through the Q tile (both warpgroups are past their last QK once normalise
                 # returns): 16-byte row stores instead of 4-byte fragment stores scattered over 8 rows
                 T.copy(acc_l, g.q_l)
-                store_rows(g.q_l, O, r0, 0, dh)
+                rows.store(g.q_l, O, r0, 0, dh)  # safe memory access is off here: row_io bounds it
             elif tx < 256:  # WG1: odd blocks, O[:, 256:], lse
                 T.set_max_nreg(regs[1], 1)
                 T.fill(acc_r, 0)
@@ -432,12 +479,10 @@ def seesaw_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", 
                     pv_other(acc_r, kt0, kr0, w1.free_r, w1.free_t, 0)  # block 2p, WG0's P at this max
                 normalise(w1, acc_r, 1)
                 T.copy(acc_r, g.q_r)
-                store_rows(g.q_r, O, r0, dh, dh)
+                rows.store(g.q_r, O, r0, dh, dh)
                 for h in T.Parallel(hb):
                     w1.rs[h] = T.if_then_else(w1.l[h] > 0, T.log2(w1.l[h]) + w1.m_new[h] * c, 0)
-                for h in T.Parallel(hb):
-                    if r0 + h < nr:
-                        Lse[r0 + h] = w1.rs[h]
+                rows.store_row(w1.rs, Lse, r0)
             elif tx < 320:  # producer for stage 0 (block 2p), in the order WG0's QK reads it
                 T.set_max_nreg(regs[2], 0)
                 for p in T.serial(npairs):
@@ -480,25 +525,31 @@ def uses_seesaw(heads: int, topk: int) -> bool:
 
 
 @functools.cache
-def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16"):
+def get_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", head_blocks: int = 1):
     if uses_seesaw(heads, topk):
-        return seesaw_kernel(heads, topk, float(scale), dtype=dtype)
-    return simple_kernel(heads, topk, float(scale), dtype=dtype)
+        return seesaw_kernel(heads, topk, float(scale), dtype=dtype, head_blocks=head_blocks)
+    return simple_kernel(heads, topk, float(scale), dtype=dtype, head_blocks=head_blocks)
 
 
-def compile_fwd(heads: int, topk: int, scale: float, dtype: str = "bfloat16") -> None:
+def compile_fwd(heads: int, topk: int, scale: float, dtype: str = "bfloat16", head_blocks: int = 1) -> None:
     """Build what `fwd` runs for these shapes: the kernel and, for token groups, their union."""
-    get_kernel(heads, topk, scale, dtype)
+    get_kernel(heads, topk, scale, dtype, head_blocks)
     compile_union(heads, topk)
 
 
+def heads_of(q: torch.Tensor) -> tuple[int, int]:
+    """(heads, head_blocks) of q [T, H, D] (1 block) or head-blocked [P, T, H/P, D]."""
+    return (q.shape[1], 1) if q.ndim == 3 else (q.shape[0] * q.shape[2], q.shape[0])
+
+
 def fwd(q, kv, idx, scale, cnt=None):
-    """q [T,H,576], kv [T,576] (both bfloat16 or both float16), idx [T,K] int32 (K a multiple of 64,
-    H a power of two ≥ 8), cnt = active_slots(idx) if not given → out [T,H,512] (q's dtype),
-    lse [T,H] fp32."""
-    t, h, _ = q.shape
+    """q [T,H,576] or head-blocked [P,T,H/P,576] (`row_in_memory`), kv [T,576] (both bfloat16 or
+    both float16), idx [T,K] int32 (K a multiple of 64, H a power of two ≥ 8), cnt =
+    active_slots(idx) if not given → out [T,H,512] (q's dtype), lse [T,H] fp32, or both
+    head-blocked like q."""
+    h, blocks = heads_of(q)
     dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[q.dtype]
-    kernel = get_kernel(h, idx.shape[1], float(scale), dtype)
+    kernel = get_kernel(h, idx.shape[1], float(scale), dtype, blocks)
     return fwd_call(kernel, token_group(h), q.contiguous(), kv.contiguous(), idx.contiguous(), cnt)
 
 

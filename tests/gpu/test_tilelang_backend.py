@@ -110,6 +110,41 @@ def test_short_sequences(lengths):
     assert rel(out[0], kv[0, :D_V].expand(HEADS, -1)) <= 1e-3
 
 
+@pytest.mark.parametrize("heads,blocks,topk,rows", [(64, 8, TOPK, 3001), (16, 2, TOPK, 1001), (64, 2, 64, 999)])
+def test_head_blocked_rows_equal_token_rows(heads, blocks, topk, rows):
+    """Our kernels on head-blocked q [P, R, H/P, 576] (token-parallel attention's rows as the
+    all-to-all delivers them; kernels/ops.py, sparse_mla_fwd.row_in_memory), read and written in
+    place, against the same rows as [R, H, 576]: out and dq the same bits (each CTA does the same
+    work on the same rows), dkv equal up to the fp32 atomics' order. Builds: the seesaw forward
+    (64 heads; 16 heads as token groups of 4, 1001 rows leaving a short last group), the simple
+    forward (top-k 64), the fused backward; R query rows over an 8K kv (rank-like)."""
+    from types import SimpleNamespace
+
+    from glm5_bridge.kernels.ops import SparseMLA, ours_ops, rows_by_token, rows_head_blocked
+
+    g = torch.Generator(device="cuda").manual_seed(heads + blocks)
+    total = 8192
+    kv = torch.randn(total, D_QK, device="cuda", generator=g).bfloat16()
+    topk = random_causal_topk([total], topk, device="cuda", generator=g)[total - rows:]  # late rows: full top-k
+    q = torch.randn(rows, heads, D_QK, device="cuda", generator=g).bfloat16()
+    dout = torch.randn(rows, heads, D_V, device="cuda", generator=g).bfloat16()
+    in_place = SimpleNamespace(**{**vars(ours_ops()), "head_blocks": True})
+
+    def run(q_, dout_, ops):
+        q_, kv_ = q_.clone().requires_grad_(), kv.clone().requires_grad_()
+        out = SparseMLA.apply(q_, kv_, topk, SCALE, ops)
+        out.backward(dout_)
+        return out.detach(), q_.grad, kv_.grad
+
+    flat = run(q, dout, ours_ops())
+    out, dq, dkv = run(rows_head_blocked(q, blocks), rows_head_blocked(dout, blocks), in_place)
+    assert out.shape == (blocks, rows, heads // blocks, D_V)
+    errs = dict(out=rel(rows_by_token(out), flat[0]), dq=rel(rows_by_token(dq), flat[1]), dkv=rel(dkv, flat[2]))
+    report(f"head_blocked[{heads}h/{blocks}b/k{topk}]", **errs)
+    assert torch.equal(rows_by_token(out), flat[0]) and torch.equal(rows_by_token(dq), flat[1]), errs
+    assert errs["dkv"] <= 1e-3, errs
+
+
 def make_kernel_tiny_checkpoint(path):
     """The tiny GLM-5.2 checkpoint with KERNEL_TINY's changes."""
     from glm5_bridge.tiny import make_tiny_checkpoint

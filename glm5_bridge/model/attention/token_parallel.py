@@ -10,15 +10,18 @@ attends all heads of 1/TP of the query tokens (runs AV–BA, every rank emulated
 rank's attention fwd + bwd 3.8 / 7.5 ms at 8K / 16K against 6.8 / 20.2 with heads split, before the
 all-to-alls' wire time):
 
-    q [T, H/P, 576] (heads split) --all-to-all--> [rows, H, 576] (tokens split)
-    backend(q rows, the full kv, their top-k rows) -> out [rows, H, 512]
+    q [T, H/P, 576] (heads split) --all-to-all--> [P, rows, H/P, 576] (tokens split, head-blocked)
+    backend(q rows, the full kv, their top-k rows) -> out [P, rows, H/P, 512]
     out --all-to-all--> [T, H/P, 512] (heads split again, for W_UV and o_proj)
 
 Every rank already holds the full kv [T, 576] and the same top-k [T, K] (computed by the duplicated
 kv_a path and the indexer). A rank's rows are one contiguous range (attention/topk.row_bounds,
 equal min(p + 1, K) + QUERY_COST_KEYS work per range), so x goes out as it lies and comes back in
-row order: each direction copies once, for the head/row transpose. Gradients: the all-to-alls'
-backward is the reverse all-to-all; each rank's dkv is a partial sum (its rows, all heads) where
+row order, and the backends take the rows as the all-to-all delivers them, block s from rank s
+(its heads), the head-blocked layout of kernels/ops.py: no copy either way beyond the all-to-alls
+(the fused kernels read and write it in place where ops.ours_take_head_blocks; otherwise ops makes
+the head/row transposes this module made before). Gradients: the all-to-alls' backward is the
+reverse all-to-all; each rank's dkv is a partial sum (its rows, all heads) where
 with heads split it was another one (all rows, its heads); either way the ranks' partials add up
 to dkv, which megatron's existing TP reduction of kv's gradient does.
 """
@@ -56,33 +59,23 @@ def enabled(setting: bool | None, backend: str, tp: int, cp: int) -> bool:
     return bool(setting)
 
 
-def _transpose01(x: torch.Tensor) -> torch.Tensor:
-    """x [A, B, ...] → contiguous [B, A, ...]. The copy is strided, so torch runs it element by
-    element: bf16 rows go as 8-byte words where their width allows (half the time of 2-byte
-    elements at TP 8 × 8K, benchmarks/LOG.md run AY)."""
-    if x.shape[-1] * x.element_size() % 8 == 0 and x.stride(-1) == 1 and x.element_size() < 8:
-        return x.view(torch.int64).transpose(0, 1).contiguous().view(x.dtype)
-    return x.transpose(0, 1).contiguous()
-
-
 def _heads_to_tokens(x: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    """[T, H/P, D] → [sizes[rank], H, D]: this rank's rows, every rank's heads (in rank order)."""
+    """[T, H/P, D] → [P, sizes[rank], H/P, D]: this rank's rows, block s holding rank s's heads."""
     parts, rows = group.size(), sizes[rank]
-    recv = x.new_empty(parts * rows, *x.shape[1:])
-    # rank d gets rows [bounds[d], bounds[d+1]) of x as they lie; block s of recv: rank s's heads of my rows
-    dist.all_to_all_single(recv, x.contiguous(), output_split_sizes=[rows] * parts, input_split_sizes=sizes,
-                           group=group)
-    return _transpose01(recv.view(parts, rows, *x.shape[1:])).view(rows, parts * x.shape[1], x.shape[2])
+    recv = x.new_empty(parts, rows, *x.shape[1:])
+    # rank d gets rows [bounds[d], bounds[d+1]) of x as they lie
+    dist.all_to_all_single(recv.view(parts * rows, *x.shape[1:]), x.contiguous(), output_split_sizes=[rows] * parts,
+                           input_split_sizes=sizes, group=group)
+    return recv
 
 
 def _tokens_to_heads(y: torch.Tensor, sizes: list[int], rank: int, group) -> torch.Tensor:
-    """The inverse of _heads_to_tokens: [sizes[rank], H, D] → [T, H/P, D]."""
-    parts = group.size()
-    local = y.shape[1] // parts
-    send = _transpose01(y.view(y.shape[0], parts, local, y.shape[2])).view(-1, local, y.shape[2])  # block d: rank d's heads
-    recv = y.new_empty(sum(sizes), local, y.shape[2])  # block s: my heads of rank s's rows, in row order
-    dist.all_to_all_single(recv, send, output_split_sizes=sizes, input_split_sizes=[y.shape[0]] * parts,
-                           group=group)
+    """The inverse of _heads_to_tokens: [P, sizes[rank], H/P, D] → [T, H/P, D]."""
+    parts, rows = y.shape[:2]
+    recv = y.new_empty(sum(sizes), *y.shape[2:])  # block s: my heads of rank s's rows, in row order
+    # block d of y (rank d's heads of my rows) goes to rank d as it lies
+    dist.all_to_all_single(recv, y.contiguous().view(parts * rows, *y.shape[2:]), output_split_sizes=sizes,
+                           input_split_sizes=[rows] * parts, group=group)
     return recv
 
 
@@ -101,9 +94,9 @@ class _Exchange(torch.autograd.Function):
 
 
 def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths) -> torch.Tensor:
-    """backend(q, kv, topk, …) (an attention/backends function) over this rank's tokens with all
-    heads; q [T, H/P, D], kv [T, D], topk [T, K], lengths: the sequences' (summing to T) →
-    [T, H/P, v_dim], as the backend over q would."""
+    """backend(q, kv, topk, …) (an attention/backends function, given head-blocked q rows) over this
+    rank's tokens with all heads; q [T, H/P, D], kv [T, D], topk [T, K], lengths: the sequences'
+    (summing to T) → [T, H/P, v_dim], as the backend over q would."""
     rank = group.rank()
     bounds = row_bounds(tuple(lengths), group.size(), cap=topk.shape[1], query_cost=QUERY_COST_KEYS)
     sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
@@ -111,9 +104,9 @@ def attend(backend, q, kv, topk, softmax_scale, v_dim, *, packed, group, lengths
     rows_topk = topk[bounds[rank]:bounds[rank + 1]]
     empty = not sizes[rank]  # fewer rows than ranks: one query without keys keeps kv in this rank's graph
     if empty:
-        q_rows = torch.cat([q_rows, q_rows.new_zeros(1, *q_rows.shape[1:])])
+        q_rows = torch.cat([q_rows, q_rows.new_zeros(q_rows.shape[0], 1, *q_rows.shape[2:])], dim=1)
         rows_topk = topk.new_full((1, topk.shape[1]), -1)
     out_rows = backend(q_rows, kv, rows_topk, softmax_scale, v_dim, packed=packed)
     if empty:  # sliced only then: a slice's backward zero-fills and copies the whole gradient
-        out_rows = out_rows[:0]
+        out_rows = out_rows[:, :0]
     return _Exchange.apply(out_rows, False, sizes, rank, group)

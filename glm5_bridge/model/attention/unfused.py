@@ -16,11 +16,15 @@ ROW_CHUNK = 1024
 
 def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                v_dim: int) -> torch.Tensor:
-    """q: [T, H, D], kv: [T, D], topk: [T, K] flat indices (−1 = empty) → [T, H, v_dim].
+    """q: [T, H, D], kv: [T, D], topk: [T, K] flat indices (−1 = empty) → [T, H, v_dim]; q
+    head-blocked [P, T, H/P, D] (token-parallel attention's rows, kernels/ops.py) → [P, T, H/P, v_dim].
 
     Softmax runs in fp32 whatever the input dtype (bf16 on GPU); a row whose slots are all empty
     outputs zeros.
     """
+    blocked = q.ndim == 4
+    if blocked:  # a view with the row axis first: the einsums below take any head axes after it
+        q = q.transpose(0, 1)
     total = q.shape[0]
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp32 inputs, fp64 stays fp64
     # Gather from a full-precision copy: the gather's backward sums every query's contribution
@@ -32,10 +36,12 @@ def sparse_mla(q: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_sc
         idx = topk[r0:r1]
         valid = idx >= 0
         kv_sel = kv[idx.clamp(min=0)]  # [rows, K, D]
-        logits = torch.einsum("rhd,rkd->rhk", q[r0:r1].to(acc), kv_sel) * softmax_scale
+        logits = torch.einsum("r...d,rkd->r...k", q[r0:r1].to(acc), kv_sel) * softmax_scale
+        valid = valid.view(r1 - r0, *[1] * (q.ndim - 2), -1)  # broadcast over the head axes
         # A finite fill keeps all-empty rows NaN-free (forward and backward); exp(min - max) is 0.
-        logits = logits.masked_fill(~valid[:, None, :], torch.finfo(logits.dtype).min)
-        probs = torch.softmax(logits, dim=-1) * valid[:, None, :]
-        out = torch.einsum("rhk,rkc->rhc", probs, kv_sel[..., :v_dim])
+        logits = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
+        probs = torch.softmax(logits, dim=-1) * valid
+        out = torch.einsum("r...k,rkc->r...c", probs, kv_sel[..., :v_dim])
         outs.append(out.to(q.dtype))
-    return torch.cat(outs, dim=0)
+    out = torch.cat(outs, dim=0)
+    return out.transpose(0, 1) if blocked else out
