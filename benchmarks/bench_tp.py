@@ -145,10 +145,13 @@ def bench_attention(s, device, group, reps, baseline=True):
         yield dict(part="attention", impl=name, S=s, heads=heads, heads_per_rank=heads // parts, fwd_ms=fwd_ms,
                    fwd_spread_ms=fwd_spread, fwd_bwd_ms=step_ms, fwd_bwd_spread_ms=step_spread,
                    wire_bytes=wire["fwd_bwd"], fwd_wire_bytes=wire["fwd"], query_cost=token_parallel.QUERY_COST_KEYS)
+    if dist.get_backend(group) == "fake":  # a fake group's all-to-alls did not exchange: nothing to compare
+        return
     if "tokens_split_in_place" in outs:
-        yield dict(part="attention_check", S=s, in_place_vs_copies_rel=round(
-            ((outs["tokens_split_in_place"] - outs["tokens_split"]).norm() / outs["tokens_split"].norm()).item(), 6))
-    if len(outs) < 2 or dist.get_backend(group) == "fake":  # a fake group's all-to-alls did not exchange
+        diff = (outs["tokens_split_in_place"] - outs["tokens_split"]).norm() / outs["tokens_split"].norm()
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        yield dict(part="attention_check", S=s, in_place_vs_copies_rel=round(diff.item(), 6))
+    if "heads_split" not in outs:
         return
     diff = (outs["tokens_split"] - outs["heads_split"]).norm() / outs["heads_split"].norm()
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
@@ -249,7 +252,7 @@ def emulate(parts_list, seqs, ranks_list, reps, link_gbs, out_path, query_costs=
                     token_parallel.QUERY_COST_KEYS = default_cost
         with open(out_path, "w") as f:
             json.dump(rows, f, indent=1)
-    rows += per_rank_summary([r for r in rows if r["kind"] == "bench_tp_emulated"], link_gbs)
+    rows += per_rank_summary([r for r in rows if r["kind"] == "bench_tp_emulated" and "impl" in r], link_gbs)
     rows += query_cost_summary([r for r in rows if r["kind"] == "bench_tp_query_cost"])
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)

@@ -110,8 +110,8 @@ def test_short_sequences(lengths):
     assert rel(out[0], kv[0, :D_V].expand(HEADS, -1)) <= 1e-3
 
 
-@pytest.mark.parametrize("heads,blocks,topk,rows", [(64, 8, TOPK, 3001), (16, 2, TOPK, 1001), (64, 2, 64, 999)])
-def test_head_blocked_rows_equal_token_rows(heads, blocks, topk, rows):
+@pytest.mark.parametrize("heads,blocks,width,rows", [(64, 8, TOPK, 3001), (16, 2, TOPK, 1001), (64, 2, 64, 999)])
+def test_head_blocked_rows_equal_token_rows(heads, blocks, width, rows):
     """Our kernels on head-blocked q [P, R, H/P, 576] (token-parallel attention's rows as the
     all-to-all delivers them; kernels/ops.py, sparse_mla_fwd.row_in_memory), read and written in
     place, against the same rows as [R, H, 576]: out and dq the same bits (each CTA does the same
@@ -125,7 +125,7 @@ def test_head_blocked_rows_equal_token_rows(heads, blocks, topk, rows):
     g = torch.Generator(device="cuda").manual_seed(heads + blocks)
     total = 8192
     kv = torch.randn(total, D_QK, device="cuda", generator=g).bfloat16()
-    topk = random_causal_topk([total], topk, device="cuda", generator=g)[total - rows:]  # late rows: full top-k
+    topk = random_causal_topk([total], width, device="cuda", generator=g)[total - rows:]  # late rows: full top-k
     q = torch.randn(rows, heads, D_QK, device="cuda", generator=g).bfloat16()
     dout = torch.randn(rows, heads, D_V, device="cuda", generator=g).bfloat16()
     in_place = SimpleNamespace(**{**vars(ours_ops()), "head_blocks": True})
@@ -140,7 +140,7 @@ def test_head_blocked_rows_equal_token_rows(heads, blocks, topk, rows):
     out, dq, dkv = run(rows_head_blocked(q, blocks), rows_head_blocked(dout, blocks), in_place)
     assert out.shape == (blocks, rows, heads // blocks, D_V)
     errs = dict(out=rel(rows_by_token(out), flat[0]), dq=rel(rows_by_token(dq), flat[1]), dkv=rel(dkv, flat[2]))
-    report(f"head_blocked[{heads}h/{blocks}b/k{topk}]", **errs)
+    report(f"head_blocked[{heads}h/{blocks}b/k{width}]", **errs)
     assert torch.equal(rows_by_token(out), flat[0]) and torch.equal(rows_by_token(dq), flat[1]), errs
     assert errs["dkv"] <= 1e-3, errs
 

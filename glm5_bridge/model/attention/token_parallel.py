@@ -33,13 +33,14 @@ import torch.distributed as dist
 
 from glm5_bridge.model.attention.topk import row_bounds
 
-# A query's fixed cost in the fused kernels (its q / dO / out / dq rows, its CTA's start and end,
-# the exchanges' copies), in selected keys' worth. benchmarks/LOG.md run AZ and the 2026-12-07
-# targets run (H100, 8K × 64 heads, TP 8, every rank on one GPU): rank 0's 1916 rows took
-# 0.44–0.47 ms longer than the others' 896 of the same key count, ≈ 0.45 µs a query against
-# ≈ 1.55 ns a key. Left out, rank 0 of TP 8 (the short early queries) was the slowest rank by 13 %
-# (run BR: 3.68 → 3.18 ms with it).
-QUERY_COST_KEYS = 290
+# A query's fixed cost in the fused kernels (its q / dO / out / dq rows, its CTA's start and end),
+# in selected keys' worth. Fitted with the head/row transposes around the kernels (run AZ: rank 0's
+# 1916 rows at TP 8 took 0.44–0.47 ms longer than the others' 896 of the same key count, 290 keys a
+# query; left out, rank 0 was the slowest rank by 13 %, run BR). With the kernels reading the
+# all-to-all's rows in place the per-row copies are gone: in runs BU, BX, BY (H100, 8K × 64 heads,
+# every rank on one GPU, costs 0–550) rank 0 crosses the other ranks' mean between 200 and 290 at
+# TP 8, and TP 4's slowest rank is flat from 250 up; rank-to-rank noise is ±0.1 ms.
+QUERY_COST_KEYS = 250
 
 
 def enabled(setting: bool | None, backend: str, tp: int, cp: int) -> bool:
