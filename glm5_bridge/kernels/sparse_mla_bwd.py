@@ -130,8 +130,17 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
     # (TileLang bounds the copies by num_rows), so the caller pads nothing.
     nr = T.dynamic("num_rows")
     scores = scores_macro(T, hb, block_i, rows_per_token)
-    at = row_in_memory(token_heads, head_blocks, nr)
-    rows = row_io(T, hb, nr, at)
+    rows = row_io(T, hb, nr, row_in_memory(token_heads, head_blocks, nr))
+
+    @T.macro
+    def store_dq(latent, tail, dQ, r0):
+        # dq's 512 latent and 64 rope channels of rows r0 …; head-blocked builds through the row map
+        if head_blocks == 1:
+            T.copy(latent, dQ[r0:r0 + hb, 0:D_V])
+            T.copy(tail, dQ[r0:r0 + hb, D_V:D_QK])
+        else:
+            rows.store(latent, dQ, r0, 0, D_V)
+            rows.store(tail, dQ, r0, D_V, D_TAIL)
 
     @T.prim_func
     def main(Q: T.Tensor([nr, D_QK], dt), KV: T.Tensor([nkv, D_QK], dt),
@@ -208,18 +217,9 @@ def fused_kernel(heads: int, topk: int, scale: float, dtype: str = "bfloat16", c
                 # 16.9 against 15.3 at 32 heads (not profiled), so only at 64 (H200)
                 T.copy(acc_dq, q_s)
                 T.copy(acc_dqt, qt_s)
-                if head_blocks == 1:
-                    T.copy(q_s, dQ[r0:r0 + hb, 0:D_V])
-                    T.copy(qt_s, dQ[r0:r0 + hb, D_V:D_QK])
-                else:
-                    rows.store(q_s, dQ, r0, 0, D_V)
-                    rows.store(qt_s, dQ, r0, D_V, D_TAIL)
-            elif head_blocks == 1:
-                T.copy(acc_dq, dQ[r0:r0 + hb, 0:D_V])
-                T.copy(acc_dqt, dQ[r0:r0 + hb, D_V:D_QK])
+                store_dq(q_s, qt_s, dQ, r0)
             else:
-                rows.store(acc_dq, dQ, r0, 0, D_V)
-                rows.store(acc_dqt, dQ, r0, D_V, D_TAIL)
+                store_dq(acc_dq, acc_dqt, dQ, r0)
 
     return compile_kernel(main, out_idx=[])
 
