@@ -37,10 +37,11 @@ from glm5_bridge.model.attention.topk import row_bounds
 # in selected keys' worth. Fitted with the head/row transposes around the kernels (run AZ: rank 0's
 # 1916 rows at TP 8 took 0.44–0.47 ms longer than the others' 896 of the same key count, 290 keys a
 # query; left out, rank 0 was the slowest rank by 13 %, run BR). With the kernels reading the
-# all-to-all's rows in place the per-row copies are gone: in runs BU, BX, BY (H100, 8K × 64 heads,
-# every rank on one GPU, costs 0–550) rank 0 crosses the other ranks' mean between 200 and 290 at
-# TP 8, and TP 4's slowest rank is flat from 250 up; rank-to-rank noise is ±0.1 ms.
-QUERY_COST_KEYS = 250
+# all-to-all's rows in place the per-row copies are gone: a least-squares fit of 172 rank timings
+# (runs BU–BY, H100, 8K × 64 heads, TP 4 / 8, costs 0–550, every rank on one GPU;
+# benchmarks/fit_query_cost.py) gives 0.252 µs a query against 1.170 ns a key, 215 keys (90 %:
+# 197–233); the same fit through the copies gives 297, the old 290.
+QUERY_COST_KEYS = 215
 
 
 def enabled(setting: bool | None, backend: str, tp: int, cp: int) -> bool:
