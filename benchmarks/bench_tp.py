@@ -7,10 +7,10 @@
   attention  sparse MLA fwd + bwd at GLM-5 dims (64 heads in all, q/kv 576, v 512, random causal
              top-k 2048) on the "tilelang" backend: "heads_split" (megatron's layout: each rank its
              64/P heads over all T tokens) against "tokens_split" (attention/token_parallel.attend:
-             all heads of one row_bounds range of the tokens, two all-to-alls each way; the
-             kernels get the received head-blocked rows through kernels/ops' transposed copies,
-             the default) and, on a GPU, "tokens_split_in_place" (the same with our kernels reading
-             and writing the head-blocked rows in place, ops.ours_take_head_blocks).
+             all heads of one row_bounds range of the tokens, two all-to-alls each way; on a GPU
+             the kernels get the received head-blocked rows through kernels/ops' transposed copies)
+             and, on a GPU, "tokens_split_in_place" (the same with our kernels reading and writing
+             the head-blocked rows in place, ops.ours_take_head_blocks: the default).
   dense      (with --emulate) the rank's dense bar: causal SDPA at 64/P heads, head dim 256.
 
     torchrun --nproc-per-node 8 benchmarks/bench_tp.py [--parts indexer,attention] [--seqs 8192,16384] [--out f.json]
@@ -125,8 +125,10 @@ def bench_attention(s, device, group, reps, baseline=True):
     def tokens_split():
         return token_parallel.attend(backend, q, kv, topk, SCALE, v, packed=True, group=group, lengths=(s,))
 
-    variants = [("heads_split", heads_split, False), ("tokens_split", tokens_split, False)]
-    if device == "cuda":
+    # in_place: our kernels' head_blocks for the variant (None: the CPU's unfused backend, no kernels)
+    cuda = device == "cuda"
+    variants = [("heads_split", heads_split, None), ("tokens_split", tokens_split, False if cuda else None)]
+    if cuda:
         variants.append(("tokens_split_in_place", tokens_split, True))
     outs = {}
     for name, fn, in_place in variants:
@@ -159,14 +161,15 @@ def bench_attention(s, device, group, reps, baseline=True):
 
 
 @contextlib.contextmanager
-def kernels_in_place(on: bool):
-    """Our kernels take head-blocked rows in place (on) or get ops' transposed copies, for the body."""
-    if not on:
+def kernels_in_place(on: bool | None):
+    """For the body, our kernels take head-blocked rows in place (True) or get ops' transposed copies
+    (False), whatever the default; None leaves the kernels alone."""
+    if on is None:
         yield
         return
     from glm5_bridge.kernels import ops
 
-    saved, ops.ours_ops().head_blocks = ops.ours_ops().head_blocks, True
+    saved, ops.ours_ops().head_blocks = ops.ours_ops().head_blocks, on
     try:
         yield
     finally:
