@@ -23,6 +23,8 @@ share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K))
 Dense: SDPA causal, bf16, [1, H, S, 256] q/k/v (H = --dense-heads, default 64), as SDPA chooses ("auto")
 and pinned to each fused backend (flash = FlashAttention-2, cudnn, efficient); FLOPs for the causal half only:
 fwd 2·S²·H·D (QKᵀ and PV, half the S² pairs), bwd 2.5 × fwd.
+bwd_parts: the backward's variants on their own (with and without the dKV adds, the adds alone,
+the slots in ascending key order); --bwd-tp P,… repeats them per token-parallel rank's rows.
 Timings: median of CUDA-event times after warm-up; spread = max − min.
 """
 
@@ -364,8 +366,32 @@ def bwd_variants(heads=64):
     return {**runs, "adds_only": adds_only}
 
 
-def bench_bwd_parts(seqs, heads_list, reps=5):
-    """Our backward kernels on their own (delta precomputed, dkv zeroing included), per variant."""
+def ascending_slots(idx):
+    """[T, K] top-k → the same sets with each row's keys in ascending order, −1 slots last: close to
+    the order our radix select writes them (radix_topk: columns in ascending 512-column passes),
+    where the benchmark's draws come in random order. In ascending order the CTAs of neighbouring
+    queries walk the same key ranges at the same time, so their dKV adds meet on the same rows."""
+    big = torch.iinfo(idx.dtype).max
+    keys = torch.where(idx < 0, big, idx).sort(dim=1).values
+    return torch.where(keys == big, -1, keys)
+
+
+def rank_rows(s, parts):
+    """The query rows [a, b) each of `parts` token-parallel ranks attends at one sequence of s tokens
+    (attention/topk.row_bounds at token_parallel.QUERY_COST_KEYS, as attend() splits them)."""
+    from glm5_bridge.model.attention import token_parallel
+    from glm5_bridge.model.attention.topk import row_bounds
+
+    bounds = row_bounds((s,), parts, cap=TOPK, query_cost=token_parallel.QUERY_COST_KEYS)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
+    """Our backward kernels on their own (delta precomputed, dkv zeroing included), per variant;
+    "fused_ascending_slots" is "fused" on the same top-k in ascending key order (ascending_slots).
+    tps: also per token-parallel rank of each P (its rank_rows, all heads, the whole kv), the
+    variants that split its time: fused, fused_no_adds, adds_only, fused_ascending_slots
+    (`bwd_parts_rank` rows) — which of a rank's backward the dKV adds take."""
     for heads in heads_list:
         variants = bwd_variants(heads)
         for s in seqs:
@@ -394,12 +420,33 @@ def bench_bwd_parts(seqs, heads_list, reps=5):
                      tflops=round(sparse_flops(s, heads)[1] / t / 1e9, 1),
                      add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
+            ascending = ascending_slots(idx)
+            args = (q, kv, dout, ascending, ours_fwd.active_slots(ascending), lse, delta)
+            t, spread = median_ms(lambda: variants["fused"](*args), reps)
+            dq, dkv = variants["fused"](*args)
+            emit("bwd_parts", variant="fused_ascending_slots", S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
+                 dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
+                 tflops=round(sparse_flops(s, heads)[1] / t / 1e9, 1))
+            del dq, dkv
+            for parts in tps:
+                for rank, (a, b) in enumerate(rank_rows(s, parts)):
+                    if b == a:
+                        continue
+                    rows = slice(a, b)
+                    for name, slots in (("fused", idx), ("fused_no_adds", idx), ("adds_only", idx),
+                                        ("fused_ascending_slots", ascending)):
+                        run = variants["fused" if name == "fused_ascending_slots" else name]
+                        mine = slots[rows]
+                        args = (q[rows], kv, dout[rows], mine, ours_fwd.active_slots(mine), lse[rows], delta[rows])
+                        t, spread = median_ms(lambda: run(*args), reps)
+                        emit("bwd_parts_rank", variant=name, S=s, H=heads, tp=parts, rank=rank, rows=b - a,
+                             selected=int((mine >= 0).sum()), ms=round(t, 3), spread=round(spread, 3))
             if group > 1:  # the token groups' union alone (in "fused" and "fused_torch_union")
                 for name, union in (("union_slots_map_kernel", slot_union.union_slots_kernel),
                                     ("union_slots_torch", slot_union.union_slots_reference)):
                     t, spread = median_ms(lambda: union(idx, group), reps)
                     emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3))
-            del q, kv, idx, cnt, dout, out, lse, delta, ref
+            del q, kv, idx, cnt, dout, out, lse, delta, ref, ascending
             torch.cuda.empty_cache()
 
 
@@ -661,6 +708,7 @@ def main():
     ap.add_argument("--indexer-seqs", default="8192,16384,32768")
     ap.add_argument("--tp", default="4,8", help="TP sizes the tp part plays, every rank on this GPU")
     ap.add_argument("--tp-seqs", default="8192")
+    ap.add_argument("--bwd-tp", default="", help="P,...: bwd_parts also per token-parallel rank of each P")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "bench_dsa.json"))
     a = ap.parse_args()
@@ -677,7 +725,8 @@ def main():
     if "sparse" in parts:
         bench_sparse([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")], a.reps)
     if "bwd_parts" in parts:
-        bench_bwd_parts([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")])
+        bench_bwd_parts([int(x) for x in a.seqs.split(",")], [int(x) for x in a.heads.split(",")],
+                        tps=[int(x) for x in a.bwd_tp.split(",") if x])
     if "indexer" in parts:
         bench_indexer([int(x) for x in a.indexer_seqs.split(",")])
     if "compile" in parts:

@@ -98,3 +98,23 @@ def test_fp32_agreement_tells_ties_from_wrong_picks(bench):
     tied[row, slot] = next_ if picks[slot] == kth else kth  # the other of the tied pair
     got = bench.fp32_agreement(iq, ik, w, tied, rows=16, topk=k)
     assert got["rows_beyond_ties_vs_fp32"] == 0 and got["rows_identical_vs_fp32"] == round((s - 1) / s, 6)
+
+
+def test_ascending_slots_and_rank_rows(bench):
+    """bwd_parts' inputs: the same top-k sets in ascending key order with −1 last, and the rows a
+    token-parallel rank attends (attention/topk.row_bounds at token_parallel's query cost)."""
+    import torch
+
+    from glm5_bridge.model.attention import token_parallel
+    from glm5_bridge.model.attention.topk import row_bounds
+
+    idx = torch.tensor([[5, -1, 2, 9], [-1, -1, 0, -1], [3, 1, 2, 0]], dtype=torch.int32)
+    assert bench.ascending_slots(idx).tolist() == [[2, 5, 9, -1], [0, -1, -1, -1], [0, 1, 2, 3]]
+    ranges = bench.rank_rows(8192, 8)
+    assert len(ranges) == 8 and ranges[0][0] == 0 and ranges[-1][1] == 8192
+    assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+    cap = bench.TOPK
+    assert [a for a, _ in ranges] == list(row_bounds((8192,), 8, cap=cap, query_cost=token_parallel.QUERY_COST_KEYS))[:-1]
+    cost = [sum(min(t + 1, cap) + token_parallel.QUERY_COST_KEYS for t in range(a, b)) for a, b in ranges]
+    per_query = max(min(t + 1, cap) for t in range(8192)) + token_parallel.QUERY_COST_KEYS
+    assert max(cost) - min(cost) <= 2 * per_query  # each range within one query of its share
