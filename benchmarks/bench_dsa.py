@@ -639,10 +639,12 @@ def bench_tp_ranks(seqs, tps, reps, device="cuda"):
     bwd on the "tilelang" backend, heads split (megatron's layout: 64/P heads over all tokens) and
     tokens split (attention/token_parallel: 64 heads over the rank's row_bounds range; the kernels
     on ops' transposed copies of the head-blocked rows, and in place: "tokens_split_in_place"). One
-    `tp_attention` row per (S, P, rank, layout), one `tp_check` per (S, P, rank)."""
+    `tp_attention` row per (S, P, rank, layout), one `tp_check` per (S, P, rank). P = 1 runs first:
+    the whole attention (64 heads, every row) timed as the ranks are (bench_tp.BACK_TO_BACK), the
+    per-rank efficiency's one-GPU figure."""
     import bench_tp
 
-    for parts, rank, group in bench_tp.each_fake_rank(tps):
+    for parts, rank, group in bench_tp.each_fake_rank([1, *(p for p in tps if p != 1)]):
         for s in seqs:
             for row in bench_tp.bench_attention(s, device, group, reps, baseline=True):
                 kind = "tp_attention" if row["part"] == "attention" else "tp_check"
@@ -668,12 +670,16 @@ def targets():
         emit_target("2_bwd_useful_tflops_8K_64h", ours64["bwd_useful_tflops"], 450, ours64["bwd_useful_tflops"] >= 450,
                     all_slots_tflops=ours64["bwd_tflops"], bwd_ms=ours64["bwd_ms"])
     # 3. per-rank efficiency at TP P: (one GPU's 64-head fwd + bwd) / (P × slowest rank's), through the
-    # same backend path (bench_tp's rank 0 of P = 1 is not run: the 64-head raw kernels stand in)
-    for s, parts in sorted({(r["S"], r["tp"]) for r in rows_of("tp_attention")}):
+    # same backend path and timed the same way (the P = 1 row; without it, sparse's iface[ours] row)
+    for s, parts in sorted({(r["S"], r["tp"]) for r in rows_of("tp_attention") if r["tp"] > 1}):
+        same_timing = pick("tp_attention", S=s, tp=1, impl="heads_split")
         full = pick("sparse_mla", impl="iface[ours]", S=s, H=64)
-        if not full or "bwd_ms" not in full:
+        if same_timing:
+            one_gpu, one_gpu_from = same_timing["fwd_bwd_ms"], "tp1_heads_split_back_to_back"
+        elif full and "bwd_ms" in full:
+            one_gpu, one_gpu_from = full["fwd_ms"] + full["bwd_ms"], "sparse_iface_ours"
+        else:
             continue
-        one_gpu = full["fwd_ms"] + full["bwd_ms"]
         layouts = {}
         for impl in ("heads_split", "tokens_split", "tokens_split_in_place"):
             got = [r["fwd_bwd_ms"] for r in rows_of("tp_attention", S=s, tp=parts, impl=impl)]
@@ -683,6 +689,8 @@ def targets():
             best = max(layouts, key=lambda k: layouts[k]["efficiency"])
             emit_target(f"3_tp{parts}_per_rank_efficiency_{s // 1024}K", layouts[best]["efficiency"], 0.8,
                         layouts[best]["efficiency"] >= 0.8, faster_layout=best, one_gpu_64h_fwd_bwd_ms=round(one_gpu, 3),
+                        one_gpu_from=one_gpu_from,
+                        sparse_iface_ours_fwd_bwd_ms=round(full["fwd_ms"] + full["bwd_ms"], 3) if full and "bwd_ms" in full else None,
                         layouts=layouts, note="compute only: the wire is not timed (fake process group)")
     idx, chk = pick("indexer", impl="ours", S=32768), pick("indexer_check", S=32768)
     if idx and "ms" in idx:  # 4. the indexer at 32K

@@ -67,6 +67,22 @@ def test_targets_from_one_runs_rows(bench):
     assert "1_headline_16K" not in got  # no 16K rows ran
 
 
+def test_per_rank_efficiency_prefers_the_one_gpu_row_timed_like_the_ranks(bench):
+    """Target 3's one-GPU figure: the tp part's P = 1 row (the whole attention, timed back to back as
+    the ranks are) where it ran, not sparse's iface[ours] row; P = 1 itself is no target."""
+    bench.emit("sparse_mla", impl="iface[ours]", S=8192, H=64, fwd_ms=4.0, bwd_ms=16.0)
+    bench.emit("tp_attention", tp=1, rank=0, S=8192, impl="heads_split", fwd_bwd_ms=22.5)
+    bench.emit("tp_attention", tp=1, rank=0, S=8192, impl="tokens_split_in_place", fwd_bwd_ms=22.6)
+    for rank, ms in enumerate([5.0, 6.25]):
+        bench.emit("tp_attention", tp=2, rank=rank, S=8192, impl="tokens_split_in_place", fwd_bwd_ms=ms)
+    bench.targets()
+    got = {r["target"]: r for r in bench.ROWS if r["kind"] == "target"}
+    assert set(got) == {"3_tp2_per_rank_efficiency_8K"}
+    tp = got["3_tp2_per_rank_efficiency_8K"]
+    assert tp["value"] == 1.8 and tp["one_gpu_64h_fwd_bwd_ms"] == 22.5  # 22.5 / (2 · 6.25)
+    assert tp["one_gpu_from"] == "tp1_heads_split_back_to_back" and tp["sparse_iface_ours_fwd_bwd_ms"] == 20.0
+
+
 def test_fp32_agreement_tells_ties_from_wrong_picks(bench):
     """bench_dsa.fp32_agreement: the reference's own top-k agrees fully; a row whose pick is swapped
     for a much lower-scored key counts beyond ties; swapping two exactly tied keys does not."""

@@ -69,3 +69,20 @@ def test_fit_recovers_a_known_query_cost(tmp_path):
     assert result["points"] == 2 * 3 * (4 + 8) and result["runs"] == ["runs:A", "runs:B"]
     assert abs(result["query_cost_keys"] - 208.3) <= 10 and result["bootstrap_90"][0] < 208.3 < result["bootstrap_90"][1]
     assert abs(result["offsets_ms"]["runs:B"] - result["offsets_ms"]["runs:A"] - 0.1) <= 0.03
+
+
+def test_back_to_back_times_are_the_mean_of_the_inner_calls(monkeypatch):
+    """timing.times_ms(inner=n): n calls per repetition between one pair of clock reads, reported per
+    call (bench_tp's attention rows: BACK_TO_BACK); a fake clock advancing 1 s per call gives 1000 ms."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import timing
+
+    clock, calls = [0.0], []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def call():
+        calls.append(1)
+        clock[0] += 1.0
+
+    assert timing.times_ms(call, reps=3, warmup=2, device="cpu", inner=4) == [1000.0] * 3
+    assert len(calls) == 2 + 3 * 4
