@@ -19,8 +19,9 @@
 Same random inputs on every rank (seeded). Rank 0 prints one `RESULT {json}` line per (part, S,
 variant) and writes them to --out: per repetition the slowest rank's time (a TP layer waits for it;
 the attention's is the mean of BACK_TO_BACK calls issued back to back, so the host's launches overlap
-the GPU's work as in a model), then the median and spread over repetitions. Checks: `same_topk` (split = replicated), and for the
-attention the largest relative difference of the tokens-split output from the heads-split one.
+the GPU's work as in a model), then the median and spread over repetitions. Checks: `same_topk`
+(split = replicated), and for the attention the largest relative difference of the tokens-split
+output from the heads-split one.
 Without a GPU it runs on the CPU over gloo (torch indexer, unfused attention at small dims): a smoke
 test of the script, not a timing.
 
