@@ -674,10 +674,11 @@ def targets():
     for s, parts in sorted({(r["S"], r["tp"]) for r in rows_of("tp_attention") if r["tp"] > 1}):
         same_timing = pick("tp_attention", S=s, tp=1, impl="heads_split")
         full = pick("sparse_mla", impl="iface[ours]", S=s, H=64)
+        iface_ms = round(full["fwd_ms"] + full["bwd_ms"], 3) if full and "bwd_ms" in full else None
         if same_timing:
             one_gpu, one_gpu_from = same_timing["fwd_bwd_ms"], "tp1_heads_split_back_to_back"
-        elif full and "bwd_ms" in full:
-            one_gpu, one_gpu_from = full["fwd_ms"] + full["bwd_ms"], "sparse_iface_ours"
+        elif iface_ms is not None:
+            one_gpu, one_gpu_from = iface_ms, "sparse_iface_ours"
         else:
             continue
         layouts = {}
@@ -690,7 +691,7 @@ def targets():
             emit_target(f"3_tp{parts}_per_rank_efficiency_{s // 1024}K", layouts[best]["efficiency"], 0.8,
                         layouts[best]["efficiency"] >= 0.8, faster_layout=best, one_gpu_64h_fwd_bwd_ms=round(one_gpu, 3),
                         one_gpu_from=one_gpu_from,
-                        sparse_iface_ours_fwd_bwd_ms=round(full["fwd_ms"] + full["bwd_ms"], 3) if full and "bwd_ms" in full else None,
+                        sparse_iface_ours_fwd_bwd_ms=iface_ms,
                         layouts=layouts, note="compute only: the wire is not timed (fake process group)")
     idx, chk = pick("indexer", impl="ours", S=32768), pick("indexer_check", S=32768)
     if idx and "ms" in idx:  # 4. the indexer at 32K

@@ -130,7 +130,8 @@ def test_ascending_slots_and_rank_rows(bench):
     assert len(ranges) == 8 and ranges[0][0] == 0 and ranges[-1][1] == 8192
     assert all(b == c for (_, b), (c, _) in zip(ranges, ranges[1:]))
     cap = bench.TOPK
-    assert [a for a, _ in ranges] == list(row_bounds((8192,), 8, cap=cap, query_cost=token_parallel.QUERY_COST_KEYS))[:-1]
+    bounds = row_bounds((8192,), 8, cap=cap, query_cost=token_parallel.QUERY_COST_KEYS)
+    assert [a for a, _ in ranges] == list(bounds[:-1])
     cost = [sum(min(t + 1, cap) + token_parallel.QUERY_COST_KEYS for t in range(a, b)) for a, b in ranges]
     per_query = max(min(t + 1, cap) for t in range(8192)) + token_parallel.QUERY_COST_KEYS
     assert max(cost) - min(cost) <= 2 * per_query  # each range within one query of its share
