@@ -98,7 +98,7 @@ def main():
         for name, run in runs.items():
             t, sp = bd.median_ms(run, 7)
             row = dict(variant=name, S=s, H=64, ms=round(t, 3), spread=round(sp, 3), gather_gb=round(gather_gb, 2),
-                       add_gb=round(add_gb, 2), tflops=round(bd.sparse_flops(s, 64)[1] / t / 1e9, 1))
+                       add_gb=round(add_gb, 2), **bd.rates(bd.sparse_flops(s, 64)[1], t, bd.useful_share(idx)))
             print("RESULT", json.dumps(row), flush=True)
             rows.append(row)
         del q, kv, idx, cnt, dout, out, lse, delta

@@ -19,7 +19,8 @@ slots reordered used-first as SparseMLA passes them, i.e. as select_topk returns
             slots: its reordering is timed), GLM5_DSA_KERNELS=upstream and =ours
   torch     bf16 gather + einsum in 512-token chunks (the unfused path's math), forward only
 FLOPs: nominal over all K slots, fwd 2·S·H·K·(576+512), bwd 2·S·H·K·(3·576+2·512); `useful` = the
-share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)).
+share of slots that hold a key under the causal mask (Σ_t min(t+1, K) / (S·K)). Every sparse rate
+comes both ways, `*useful_tflops` (valid slots only) first, then `*tflops` (all K slots): `rates`.
 Dense: SDPA causal, bf16, [1, H, S, 256] q/k/v (H = --dense-heads, default 64), as SDPA chooses ("auto")
 and pinned to each fused backend (flash = FlashAttention-2, cudnn, efficient); FLOPs for the causal half only:
 fwd 2·S²·H·D (QKᵀ and PV, half the S² pairs), bwd 2.5 × fwd.
@@ -105,6 +106,18 @@ def causal_topk(lengths, k, gen):
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def useful_share(idx):
+    """The share of a [T, K] top-k's slots that hold a key (−1: none): the valid slots' FLOPs over
+    all K slots' (1 − the empty slots of queries that see fewer than K keys)."""
+    return int((idx >= 0).sum()) / idx.numel()
+
+
+def rates(flop, ms, useful, prefix=""):
+    """TFLOP/s both ways (issue 39's target 6), the useful first: `{prefix}useful_tflops` counts the
+    slots that hold a key (useful · flop), `{prefix}tflops` all K slots (flop)."""
+    return {f"{prefix}useful_tflops": round(useful * flop / ms / 1e9, 1), f"{prefix}tflops": round(flop / ms / 1e9, 1)}
 
 
 def pad_heads(x, heads):
@@ -253,20 +266,16 @@ def bench_sparse(seqs, heads_list, reps):
             idx_drawn = causal_topk([s], TOPK, gen)
             idx = used_first(idx_drawn)
             dout = torch.randn(s, heads, 512, device="cuda", generator=gen).bfloat16()
-            useful = sum(min(t + 1, TOPK) for t in range(s)) / (s * TOPK)
+            useful = useful_share(idx)  # Σ_t min(t + 1, K) / (S·K): causal_topk fills every visible key up to K
             f_fl, b_fl = sparse_flops(s, heads)
             base = dict(S=s, H=heads, topk=TOPK, useful=round(useful, 4), fwd_gflop=f_fl / 1e9, bwd_gflop=b_fl / 1e9)
 
             def row(impl, fwd_ms=None, fwd_sp=None, bwd_ms=None, bwd_sp=None, **extra):
                 r = dict(impl=impl, **base, **extra)
                 if fwd_ms is not None:
-                    r.update(fwd_ms=round(fwd_ms, 3), fwd_spread_ms=round(fwd_sp, 3),
-                             fwd_tflops=round(f_fl / fwd_ms / 1e9, 1),
-                             fwd_useful_tflops=round(useful * f_fl / fwd_ms / 1e9, 1))
+                    r.update(fwd_ms=round(fwd_ms, 3), fwd_spread_ms=round(fwd_sp, 3), **rates(f_fl, fwd_ms, useful, "fwd_"))
                 if bwd_ms is not None:
-                    r.update(bwd_ms=round(bwd_ms, 3), bwd_spread_ms=round(bwd_sp, 3),
-                             bwd_tflops=round(b_fl / bwd_ms / 1e9, 1),
-                             bwd_useful_tflops=round(useful * b_fl / bwd_ms / 1e9, 1))
+                    r.update(bwd_ms=round(bwd_ms, 3), bwd_spread_ms=round(bwd_sp, 3), **rates(b_fl, bwd_ms, useful, "bwd_"))
                 emit("sparse_mla", **r)
 
             uf, ub, o_up = upstream_calls(fwd_mod, bwd_mod, q, kv, dout, idx)
@@ -417,7 +426,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
                 ref = ref or (dq, dkv)
                 emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                      dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                     tflops=round(sparse_flops(s, heads)[1] / t / 1e9, 1),
+                     **rates(sparse_flops(s, heads)[1], t, useful_share(idx)),
                      add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
             ascending = ascending_slots(idx)
@@ -426,7 +435,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
             dq, dkv = variants["fused"](*args)
             emit("bwd_parts", variant="fused_ascending_slots", S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                  dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                 tflops=round(sparse_flops(s, heads)[1] / t / 1e9, 1))
+                 **rates(sparse_flops(s, heads)[1], t, useful_share(ascending)))
             del dq, dkv
             for parts in tps:
                 for rank, (a, b) in enumerate(rank_rows(s, parts)):
@@ -440,7 +449,8 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
                         args = (q[rows], kv, dout[rows], mine, ours_fwd.active_slots(mine), lse[rows], delta[rows])
                         t, spread = median_ms(lambda: run(*args), reps)
                         emit("bwd_parts_rank", variant=name, S=s, H=heads, tp=parts, rank=rank, rows=b - a,
-                             selected=int((mine >= 0).sum()), ms=round(t, 3), spread=round(spread, 3))
+                             selected=int((mine >= 0).sum()), ms=round(t, 3), spread=round(spread, 3),
+                             **rates(sparse_flops(b - a, heads)[1], t, useful_share(mine)))
             if group > 1:  # the token groups' union alone (in "fused" and "fused_torch_union")
                 for name, union in (("union_slots_map_kernel", slot_union.union_slots_kernel),
                                     ("union_slots_torch", slot_union.union_slots_reference)):

@@ -104,10 +104,11 @@ def bench(s, heads, churn, idx, reps):
     tb, _ = B.median_ms(ob, max(3, reps // 2))
     uf_ms, _ = B.median_ms(uf, reps)
     ub_ms, _ = B.median_ms(ub, max(3, reps // 2))
-    B.emit("locality", **row, ours_fwd_ms=round(tf, 3), ours_fwd_tflops=round(f_fl / tf / 1e9, 1),
-         ours_bwd_ms=round(tb, 3), ours_bwd_tflops=round(b_fl / tb / 1e9, 1),
+    useful = B.useful_share(idx)
+    B.emit("locality", **row, ours_fwd_ms=round(tf, 3), **B.rates(f_fl, tf, useful, "ours_fwd_"),
+         ours_bwd_ms=round(tb, 3), **B.rates(b_fl, tb, useful, "ours_bwd_"),
          upstream_fwd_ms=round(uf_ms, 3), upstream_bwd_ms=round(ub_ms, 3),
-         upstream_bwd_tflops=round(b_fl / ub_ms / 1e9, 1), out_vs_upstream=B.rel(o, o_up))
+         **B.rates(b_fl, ub_ms, useful, "upstream_bwd_"), out_vs_upstream=B.rel(o, o_up))
     del q, kv, dout, o, o_up, of, ob, uf, ub
     torch.cuda.empty_cache()
 

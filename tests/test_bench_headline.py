@@ -116,6 +116,17 @@ def test_fp32_agreement_tells_ties_from_wrong_picks(bench):
     assert got["rows_beyond_ties_vs_fp32"] == 0 and got["rows_identical_vs_fp32"] == round((s - 1) / s, 6)
 
 
+def test_rates_count_valid_slots_first(bench):
+    """Target 6: each sparse rate both ways, the useful (slots holding a key) first."""
+    import torch
+
+    idx = torch.tensor([[0, -1, -1, -1], [1, 0, -1, -1], [2, 1, 0, 3], [3, 2, 1, 0]])  # 1 + 2 + 4 + 4 of 16
+    useful = bench.useful_share(idx)
+    assert useful == 11 / 16
+    got = bench.rates(2e12, 4.0, useful, "bwd_")  # 2 TFLOP over all slots in 4 ms
+    assert list(got) == ["bwd_useful_tflops", "bwd_tflops"] and got == {"bwd_useful_tflops": 343.8, "bwd_tflops": 500.0}
+
+
 def test_ascending_slots_and_rank_rows(bench):
     """bwd_parts' inputs: the same top-k sets in ascending key order with −1 last, and the rows a
     token-parallel rank attends (attention/topk.row_bounds at token_parallel's query cost)."""
