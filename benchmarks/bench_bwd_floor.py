@@ -8,7 +8,8 @@ same shared-memory footprint (one CTA per SM), the same gather (latent + rope of
 and the same DKV_ADD calls (4 × 128 latent channels + 64 rope) from a fragment filled from the
 gathered keys. gather=False: the adds alone ("adds_only_1cta"; "adds_only" is
 sparse_mla_bwd.dkv_adds_kernel at free occupancy); adds=False: the gathers alone (the adds behind
-the never-true first_added bound, as fused_kernel(adds=False)). One process, against the
+the never-true first_added bound, as fused_kernel(adds=False)). `bulk_adds_kernel`: the same adds
+as sm_90 bulk reductions from shared memory ("adds_bulk_2304B", "adds_bulk_256B"; not yet run). One process, against the
 committed fused kernel and "fused_no_adds", on bench_dsa's bwd_parts inputs (S = 8K, 16K, H = 64,
 random causal used-first slots, top-k 2048). Prints one RESULT line per row; --out gets them all.
 An experiment's kernel, not a backward: its dkv is meaningless.
@@ -63,6 +64,58 @@ def traffic_kernel(gather: bool, adds: bool, topk: int = 2048, cols: int = 128):
     return compile_kernel(main, out_idx=[])
 
 
+# sm_90's bulk reduction (PTX ISA 8.0): `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32
+# [dst], [src], bytes` adds a contiguous range of shared memory into global memory, carried out
+# asynchronously by the TMA unit. Op o of a block's 64 · per_row ops adds bytes [c·B, (c+1)·B) of
+# staged row r = o % 64 (B = 2304 / per_row) into dkv row idx[r]; the CTA's threads take the ops in
+# turn, each commits its group. fence.proxy.async makes the threads' shared-memory writes visible to
+# the async proxy; wait_group.read 0 lets a later block overwrite the stage.
+BULK_ADD = r"""
+template <int PER_ROW>
+__device__ __forceinline__ void glm5_bulk_add(const float* stage, const int* idx, float* dkv, int num_kv) {
+  constexpr int FLOATS = 576 / PER_ROW;
+  for (int o = threadIdx.x; o < 64 * PER_ROW; o += blockDim.x) {
+    const int r = o % 64, c = o / 64, row = idx[r];
+    if (row >= 0 && row < num_kv) {
+      const unsigned src = static_cast<unsigned>(__cvta_generic_to_shared(stage + r * 576 + c * FLOATS));
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                   :: "l"(dkv + (long long)row * 576 + c * FLOATS), "r"(src), "r"(FLOATS * 4) : "memory");
+    }
+  }
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void glm5_bulk_wait() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void glm5_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+"""
+
+
+def bulk_adds_kernel(per_row: int, topk: int = 2048):
+    """The adds of `sparse_mla_bwd.dkv_adds_kernel` (a constant 1 per selected key and channel) as
+    bulk reductions from a [64, 576] fp32 tile staged in shared memory (147 KB: one CTA per SM), each
+    row in `per_row` ops (1: one of 2304 B; 9: nine of 256 B), one wait per block, as a kernel would
+    before overwriting the stage. Against "adds_only" / "adds_only_1cta" (16-byte REDs from registers):
+    do the TMA unit's adds go faster, or is the L2's adding the limit either way? Its dkv must equal
+    the RED kernel's (exact counts)."""
+    tilelang, T = tl()
+    assert 576 % per_row == 0 and (576 // per_row * 4) % 16 == 0
+    block_i, f32 = 64, T.float32
+    n, nkv = T.dynamic("num_tokens"), T.dynamic("num_kv")
+
+    @T.prim_func
+    def main(Idx: T.Tensor([n, topk], T.int32), Cnt: T.Tensor([n], T.int32), dKV: T.Tensor([nkv, 576], f32)):
+        with T.Kernel(n, threads=256, prelude=BULK_ADD) as t:
+            stage = T.alloc_shared([block_i, 576], f32)
+            T.fill(stage, 1.0)
+            T.call_extern("handle", "glm5_proxy_fence")  # each writer, before the barrier the issuers pass
+            T.sync_threads()
+            for i in T.serial(T.ceildiv(Cnt[t], block_i)):
+                T.call_extern("handle", f"glm5_bulk_add<{per_row}>", T.address_of(stage[0, 0]),
+                              T.address_of(Idx[t, i * block_i]), T.address_of(dKV[0, 0]), nkv)
+                T.call_extern("handle", "glm5_bulk_wait")
+
+    return compile_kernel(main, out_idx=[])
+
+
 def main():
     import argparse
 
@@ -77,6 +130,7 @@ def main():
     traffic = {"gathers_and_adds": traffic_kernel(True, True), "gathers_only": traffic_kernel(True, False),
                "adds_only_1cta": traffic_kernel(False, True)}
     variants = bd.bwd_variants(64)
+    bulk = {"adds_bulk_2304B": bulk_adds_kernel(1), "adds_bulk_256B": bulk_adds_kernel(9)}
     rows = []
     for s in (8192, 16384):
         gen = torch.Generator(device="cuda").manual_seed(s)
@@ -95,10 +149,18 @@ def main():
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
                 k(q, kv, idx, cnt, dkv)
             runs[name] = run
+        for name, k in bulk.items():
+            def run(k=k):
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device="cuda")
+                k(idx, cnt, dkv)
+                return dkv
+            runs[name] = run
         for name, run in runs.items():
             t, sp = bd.median_ms(run, 7)
             row = dict(variant=name, S=s, H=64, ms=round(t, 3), spread=round(sp, 3), gather_gb=round(gather_gb, 2),
                        add_gb=round(add_gb, 2), **bd.rates(bd.sparse_flops(s, 64)[1], t, bd.useful_share(idx)))
+            if name in bulk:  # the same counts as the 16-byte REDs, exactly
+                row["dkv_equals_red_adds"] = bool(torch.equal(run(), runs["adds_only"]()[1]))
             print("RESULT", json.dumps(row), flush=True)
             rows.append(row)
         del q, kv, idx, cnt, dout, out, lse, delta
