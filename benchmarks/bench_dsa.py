@@ -381,7 +381,8 @@ def ascending_slots(idx):
     """[T, K] top-k → the same sets with each row's keys in ascending order, −1 slots last: close to
     the order our radix select writes them (radix_topk: columns in ascending 512-column passes),
     where the benchmark's draws come in random order. In ascending order the CTAs of neighbouring
-    queries walk the same key ranges at the same time, so their dKV adds meet on the same rows."""
+    queries walk the same key ranges at the same time, so their dKV adds may meet on the same rows
+    (runs BK–BL's sticky top-k, slots in place, showed no cost at 64 heads; this measures it)."""
     big = torch.iinfo(idx.dtype).max
     keys = torch.where(idx < 0, big, idx).sort(dim=1).values
     return torch.where(keys == big, -1, keys)
