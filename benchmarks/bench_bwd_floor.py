@@ -9,8 +9,8 @@ and the same DKV_ADD calls (4 × 128 latent channels + 64 rope) from a fragment 
 gathered keys. gather=False: the adds alone ("adds_only_1cta"; "adds_only" is
 sparse_mla_bwd.dkv_adds_kernel at free occupancy); adds=False: the gathers alone (the adds behind
 the never-true first_added bound, as fused_kernel(adds=False)). `bulk_adds_kernel`: the same adds
-as sm_90 bulk reductions from shared memory ("adds_bulk_2304B", "adds_bulk_256B"; not yet run). One process, against the
-committed fused kernel and "fused_no_adds", on bench_dsa's bwd_parts inputs (S = 8K, 16K, H = 64,
+as sm_90 bulk reductions from shared memory ("adds_bulk_2304B", "adds_bulk_256B"; not yet run).
+One process, against the committed fused kernel and "fused_no_adds", on bench_dsa's bwd_parts inputs (S = 8K, 16K, H = 64,
 random causal used-first slots, top-k 2048). Prints one RESULT line per row; --out gets them all.
 An experiment's kernel, not a backward: its dkv is meaningless.
 """
@@ -143,6 +143,7 @@ def main():
         delta = (out.float() * dout.float()).sum(-1)
         used = int((idx >= 0).sum())
         gather_gb, add_gb = used * 576 * 2 / 1e9, used * 576 * 4 / 1e9
+        useful, red_dkv = bd.useful_share(idx), None  # red_dkv: the 16-byte REDs' counts, once
         runs = {name: (lambda run=run: run(q, kv, dout, idx, cnt, lse, delta)) for name, run in variants.items()}
         for name, k in traffic.items():
             def run(k=k):
@@ -158,12 +159,13 @@ def main():
         for name, run in runs.items():
             t, sp = bd.median_ms(run, 7)
             row = dict(variant=name, S=s, H=64, ms=round(t, 3), spread=round(sp, 3), gather_gb=round(gather_gb, 2),
-                       add_gb=round(add_gb, 2), **bd.rates(bd.sparse_flops(s, 64)[1], t, bd.useful_share(idx)))
+                       add_gb=round(add_gb, 2), **bd.rates(bd.sparse_flops(s, 64)[1], t, useful))
             if name in bulk:  # the same counts as the 16-byte REDs, exactly
-                row["dkv_equals_red_adds"] = bool(torch.equal(run(), runs["adds_only"]()[1]))
+                red_dkv = runs["adds_only"]()[1] if red_dkv is None else red_dkv
+                row["dkv_equals_red_adds"] = bool(torch.equal(run(), red_dkv))
             print("RESULT", json.dumps(row), flush=True)
             rows.append(row)
-        del q, kv, idx, cnt, dout, out, lse, delta
+        del q, kv, idx, cnt, dout, out, lse, delta, red_dkv
         torch.cuda.empty_cache()
     with open(out_path, "w") as f:
         json.dump(rows, f, indent=1)

@@ -416,6 +416,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
             out, lse = ours_fwd.fwd(q, kv, idx, SCALE, cnt)
             delta = (out.float() * dout.float()).sum(-1)
             add_gb = int((idx >= 0).sum()) * 576 * 4 / 1e9  # fp32 dKV bytes the per-token adds move
+            useful = useful_share(idx)  # the same for every slot order below
             group = slot_union.token_group(heads)
             group_add_gb = add_gb  # the same for token groups: one row per distinct key of a group
             if group > 1:
@@ -429,7 +430,7 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
                 ref = ref or (dq, dkv)
                 emit("bwd_parts", variant=name, S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                      dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                     **rates(sparse_flops(s, heads)[1], t, useful_share(idx)),
+                     **rates(sparse_flops(s, heads)[1], t, useful),
                      add_gb=round(add_gb, 2), add_tb_per_s=round(add_gb / t, 2), group_add_gb=round(group_add_gb, 2))
                 del dq, dkv
             ascending = ascending_slots(idx)
@@ -438,13 +439,14 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
             dq, dkv = variants["fused"](*args)
             emit("bwd_parts", variant="fused_ascending_slots", S=s, H=heads, ms=round(t, 3), spread=round(spread, 3),
                  dq_vs_fused=rel(dq, ref[0]), dkv_vs_fused=rel(dkv, ref[1]),
-                 **rates(sparse_flops(s, heads)[1], t, useful_share(ascending)))
+                 **rates(sparse_flops(s, heads)[1], t, useful))
             del dq, dkv
             for parts in tps:
                 for rank, (a, b) in enumerate(rank_rows(s, parts)):
                     if b == a:
                         continue
                     rows = slice(a, b)
+                    selected, rank_useful = int((idx[rows] >= 0).sum()), useful_share(idx[rows])  # any order
                     for name, slots in (("fused", idx), ("fused_no_adds", idx), ("adds_only", idx),
                                         ("fused_ascending_slots", ascending)):
                         run = variants["fused" if name == "fused_ascending_slots" else name]
@@ -452,8 +454,8 @@ def bench_bwd_parts(seqs, heads_list, reps=5, tps=()):
                         args = (q[rows], kv, dout[rows], mine, ours_fwd.active_slots(mine), lse[rows], delta[rows])
                         t, spread = median_ms(lambda: run(*args), reps)
                         emit("bwd_parts_rank", variant=name, S=s, H=heads, tp=parts, rank=rank, rows=b - a,
-                             selected=int((mine >= 0).sum()), ms=round(t, 3), spread=round(spread, 3),
-                             **rates(sparse_flops(b - a, heads)[1], t, useful_share(mine)))
+                             selected=selected, ms=round(t, 3), spread=round(spread, 3),
+                             **rates(sparse_flops(b - a, heads)[1], t, rank_useful))
             if group > 1:  # the token groups' union alone (in "fused" and "fused_torch_union")
                 for name, union in (("union_slots_map_kernel", slot_union.union_slots_kernel),
                                     ("union_slots_torch", slot_union.union_slots_reference)):
